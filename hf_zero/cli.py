@@ -1,0 +1,73 @@
+"""The ``hf-zero`` command.
+
+hf-zero config FILE        validate an hf_zero YAML/JSON or DeepSpeed JSON, print the result
+hf-zero env                versions and devices, for bug reports
+hf-zero --version
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import yaml
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from hf_zero.config import ZeroConfig
+
+    overrides = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    try:
+        config = ZeroConfig.load(args.path, **overrides)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    import accelerate
+    import torch
+    import transformers
+
+    import hf_zero
+
+    rows = {
+        "hf_zero": hf_zero.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "cuda available": torch.cuda.is_available(),
+        "cuda devices": torch.cuda.device_count(),
+        "gloo available": torch.distributed.is_gloo_available(),
+        "nccl available": torch.distributed.is_nccl_available(),
+    }
+    for key, value in rows.items():
+        print(f"{key:>16}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hf_zero import __version__
+
+    parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero command-line tools")
+    parser.add_argument("--version", action="version", version=f"hf_zero {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="validate a config file and print the resolved settings")
+    p.add_argument("path", help="hf_zero YAML/JSON or DeepSpeed JSON")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    p.set_defaults(func=_cmd_config)
+    p = sub.add_parser("env", help="print versions and devices")
+    p.set_defaults(func=_cmd_env)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

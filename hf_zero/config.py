@@ -1,0 +1,589 @@
+"""`ZeroConfig`: every hf_zero setting in one dataclass.
+
+Sources, all through :meth:`ZeroConfig.load`:
+
+* an hf_zero YAML/JSON file or dict (flat keys named as the fields below),
+* an existing DeepSpeed config (``zero_optimization.*``, ``fp16``/``bf16``, ``gradient_clipping``,
+  batch keys, ``tensor_parallel.autotp_size``, ``"auto"`` values),
+* keyword overrides (what CLI flags map to).
+
+Unknown keys raise a ``ValueError`` that names the key and the nearest valid one. DeepSpeed keys
+that hf_zero does not implement are reported once in a warning, by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+AUTO = "auto"
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOAD_DEVICES = ("none", "cpu")
+STAGES = (0, 1, 2, 3)
+COMM_DTYPES = (None, "fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass
+class ZeroConfig:
+    """All hf_zero settings. Sizes are in elements, as in DeepSpeed.
+
+    Fields that accept ``"auto"`` are resolved by :meth:`resolve_auto` from the model (hidden size)
+    or the training arguments, like the Hugging Face DeepSpeed integration does.
+    """
+
+    # --- ZeRO stage and precision -------------------------------------------------------------
+    stage: int = 0
+    """0: data parallel (all-reduce); 1: + optimizer state sharded; 2: + gradients; 3: + parameters."""
+    precision: str = "fp32"
+    """Compute dtype of the model: ``fp32``, ``bf16`` or ``fp16`` (or ``"auto"``: from the
+    training arguments, else fp32). Master weights are always fp32."""
+    communication_data_type: str | None = None
+    """dtype gradients are reduced in; ``None`` means the compute dtype."""
+
+    # --- fp16 dynamic loss scaling (DeepSpeed's ``fp16`` section) ------------------------------
+    loss_scale: float = 0.0
+    """0 means dynamic loss scaling; a positive value is a fixed scale."""
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    # --- optimisation ------------------------------------------------------------------------
+    gradient_clipping: float | str = 0.0
+    """Clip the global gradient norm to this value at each step; 0 disables."""
+    gradient_accumulation_steps: int | str = 1
+    train_micro_batch_size_per_gpu: int | str | None = None
+    train_batch_size: int | str | None = None
+    allow_untested_optimizer: bool = False
+    """Accept optimizer classes hf_zero has not verified to be elementwise."""
+    optimizer: dict | None = None
+    """DeepSpeed-style ``{"type": "AdamW", "params": {...}}``, used when no optimizer is passed."""
+    scheduler: dict | None = None
+    """DeepSpeed-style scheduler section, kept for the integrations."""
+
+    # --- buckets and overlap -----------------------------------------------------------------
+    reduce_bucket_size: int | str = 50_000_000
+    """Elements per flat gradient bucket (stages 0-2 also shard the optimizer per bucket)."""
+    allgather_bucket_size: int | str = 50_000_000
+    overlap_comm: bool = True
+    """Launch each bucket's reduction as soon as its gradients are ready during backward."""
+
+    # --- offload (issue 4) -------------------------------------------------------------------
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    # --- ZeRO-3 knobs (issue 3) --------------------------------------------------------------
+    prefetch_bucket_size: int | str = 50_000_000
+    param_persistence_threshold: int | str = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+
+    # --- ZeRO++ and MixZ++ (issues 7, 8) -----------------------------------------------------
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
+    quantized_nontrainable_weights: bool = False
+
+    # --- topology ----------------------------------------------------------------------------
+    tp_size: int = 1
+    node_size: int | None = None
+    """Ranks per node; default ``LOCAL_WORLD_SIZE``. Set it to simulate several nodes on one host."""
+
+    # ------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # --- loading -----------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls, source: ZeroConfig | Mapping | str | Path | None = None, **overrides: Any
+    ) -> ZeroConfig:
+        """Build a config from a file path, a dict (hf_zero or DeepSpeed format) or nothing.
+
+        ``overrides`` win over the source (they are what CLI flags carry). Values of ``None`` in
+        ``overrides`` mean "not given" and are ignored.
+        """
+        if isinstance(source, ZeroConfig):
+            values = dataclasses.asdict(source)
+        elif source is None:
+            values = {}
+        else:
+            raw = _read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
+            values = from_deepspeed(raw) if is_deepspeed_config(raw) else _check_keys(raw)
+        for key, value in overrides.items():
+            if value is not None:
+                _check_keys({key: value})
+                values[key] = value
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied (validated like any other source)."""
+        _check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    # --- "auto" ------------------------------------------------------------------------------
+    def resolve_auto(
+        self,
+        hidden_size: int | None = None,
+        micro_batch_size: int | None = None,
+        gradient_accumulation_steps: int | None = None,
+        world_size: int | None = None,
+        max_grad_norm: float | None = None,
+        precision: str | None = None,
+    ) -> ZeroConfig:
+        """Replace ``"auto"`` values, in place, with values derived from the model and arguments.
+
+        Follows the Hugging Face DeepSpeed integration: bucket sizes from ``hidden_size``,
+        batch sizes from the training arguments. Fields still ``"auto"`` for lack of information
+        fall back to the dataclass defaults.
+        """
+        defaults = ZeroConfig.__dataclass_fields__
+        h2 = hidden_size * hidden_size if hidden_size else None
+        derived = {
+            "reduce_bucket_size": h2,
+            "allgather_bucket_size": h2,
+            "prefetch_bucket_size": int(0.9 * h2) if h2 else None,
+            "param_persistence_threshold": 10 * hidden_size if hidden_size else None,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_clipping": max_grad_norm,
+            "precision": precision,
+        }
+        for name, value in derived.items():
+            if getattr(self, name) == AUTO:
+                setattr(self, name, value if value is not None else defaults[name].default)
+        if self.train_batch_size == AUTO:
+            mb, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+            ok = isinstance(mb, int) and isinstance(gas, int) and world_size
+            self.train_batch_size = mb * gas * world_size if ok else None
+        self.validate()
+        return self
+
+    def check_batch_sizes(self, world_size: int) -> None:
+        """Raise if train_batch_size != micro_batch * gradient_accumulation_steps * dp world."""
+        tb, mb, gas = (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )
+        all_known = all(isinstance(v, int) for v in (tb, mb, gas))
+        if all_known and tb != mb * gas * world_size:
+            raise ValueError(
+                f"zero config: 'train_batch_size' = {tb} must equal "
+                f"train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas})"
+                f" x data-parallel world size ({world_size}) = {mb * gas * world_size}"
+            )
+
+    # --- validation --------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the key, the value and what is allowed."""
+        _one_of("stage", self.stage, STAGES)
+        _one_of("precision", self.precision, (*PRECISIONS, AUTO))
+        _one_of("communication_data_type", self.communication_data_type, COMM_DTYPES)
+        _one_of("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
+        _one_of("offload_param", self.offload_param, OFFLOAD_DEVICES)
+        _at_least("loss_scale", self.loss_scale, 0.0)
+        _at_least("initial_scale_power", self.initial_scale_power, 0)
+        _at_least("loss_scale_window", self.loss_scale_window, 1)
+        _at_least("hysteresis", self.hysteresis, 1)
+        _at_least("min_loss_scale", self.min_loss_scale, 0.0)
+        if self.gradient_clipping != AUTO:
+            _at_least("gradient_clipping", self.gradient_clipping, 0.0)
+        int_or_auto = {
+            "gradient_accumulation_steps": 1,
+            "reduce_bucket_size": 1,
+            "allgather_bucket_size": 1,
+            "train_micro_batch_size_per_gpu": 1,
+            "train_batch_size": 1,
+            "prefetch_bucket_size": 0,
+            "param_persistence_threshold": 0,
+        }
+        for name, minimum in int_or_auto.items():
+            value = getattr(self, name)
+            if value is not None or name not in (
+                "train_micro_batch_size_per_gpu",
+                "train_batch_size",
+            ):
+                setattr(self, name, _int_or_auto(name, value, minimum))
+        for name in ("max_live_parameters", "max_reuse_distance"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, name, int(value))  # DeepSpeed files write 1e9
+        _at_least("max_live_parameters", self.max_live_parameters, 1)
+        _at_least("max_reuse_distance", self.max_reuse_distance, 0)
+        _at_least("hpz_partition_size", self.hpz_partition_size, 1)
+        _at_least("tp_size", self.tp_size, 1)
+        if self.node_size is not None:
+            _at_least("node_size", self.node_size, 1)
+        if self.optimizer is not None and not isinstance(self.optimizer, Mapping):
+            raise ValueError(
+                f"zero config: 'optimizer' = {self.optimizer!r} must be a mapping like "
+                '{"type": "AdamW", "params": {"lr": 1e-4}}'
+            )
+        zero3_only = {
+            "quantized_weights": self.quantized_weights,
+            "hpz_partition_size": self.hpz_partition_size > 1,
+            "quantized_nontrainable_weights": self.quantized_nontrainable_weights,
+        }
+        for name, on in zero3_only.items():
+            if on and self.stage != 3:
+                raise ValueError(
+                    f"zero config: '{name}' = {getattr(self, name)!r} needs 'stage' = 3 "
+                    f"(it changes how parameters are gathered); got stage {self.stage}"
+                )
+        if self.quantized_gradients and self.stage < 2:
+            raise ValueError(
+                f"zero config: 'quantized_gradients' = True needs 'stage' 2 or 3 "
+                f"(it replaces the gradient reduce-scatter); got stage {self.stage}"
+            )
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError(
+                "zero config: 'offload_optimizer' = 'cpu' needs 'stage' 1, 2 or 3 "
+                "(stage 0 keeps no sharded optimizer to offload)"
+            )
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(
+                f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
+                f"got stage {self.stage}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed format
+# ----------------------------------------------------------------------------------------------
+
+# Top-level keys that only a DeepSpeed config has: their presence selects the DeepSpeed reader.
+_DS_MARKERS = {
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "amp",
+    "tensor_parallel",
+    "zero_allow_untested_optimizer",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "data_types",
+    "scheduler",
+}
+
+# zero_optimization.<key> -> ZeroConfig field
+_DS_ZERO_MAP = {
+    "stage": "stage",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
+    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
+}
+# zero_optimization keys that hf_zero's design always satisfies (no setting needed).
+_DS_ZERO_ALWAYS = {
+    "contiguous_gradients",  # gradients always live in flat buckets
+    "reduce_scatter",  # stages 1-2 always reduce-scatter
+    "allgather_partitions",  # always all-gather the updated shards
+    "round_robin_gradients",
+    "stage3_gather_16bit_weights_on_model_save",  # full_state_dict() always gathers
+    "gather_16bit_weights_on_model_save",
+    "sub_group_size",  # each bucket is its own optimizer sub-group
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "ignore_unused_parameters",  # unused parameters contribute zero gradients
+}
+# zero_optimization keys DeepSpeed has and hf_zero does not implement: warn by name.
+_DS_ZERO_UNSUPPORTED = {
+    "cpu_offload",
+    "cpu_offload_params",
+    "cpu_offload_use_pin_memory",
+    "legacy_stage1",
+    "memory_efficient_linear",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+    "zeropp_loco_param",
+    "use_multi_rank_bucket_allreduce",
+    "stage3_module_granularity_threshold",
+    "log_trace_cache_warnings",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+}
+_DS_TOP_UNSUPPORTED = {
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "flops_profiler",
+    "activation_checkpointing",
+    "aio",
+    "comms_logger",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "amp",
+    "autotuning",
+    "elasticity",
+    "curriculum_learning",
+    "data_efficiency",
+    "compression_training",
+    "checkpoint",
+    "pipeline",
+    "memory_breakdown",
+    "zero_force_ds_cpu_optimizer",
+    "seq_parallel_communication_data_type",
+    "disable_allgather",
+    "dataloader_drop_last",
+}
+_DS_TOP_KNOWN = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "optimizer",
+    "scheduler",
+    "tensor_parallel",
+    "zero_allow_untested_optimizer",
+    "communication_data_type",
+    "data_types",
+} | _DS_TOP_UNSUPPORTED
+_DS_FP16_MAP = {
+    "loss_scale": "loss_scale",
+    "initial_scale_power": "initial_scale_power",
+    "loss_scale_window": "loss_scale_window",
+    "hysteresis": "hysteresis",
+    "min_loss_scale": "min_loss_scale",
+}
+_DS_FP16_IGNORED = {
+    "enabled",
+    "auto_cast",
+    "consecutive_hysteresis",
+    "fp16_master_weights_and_grads",
+}
+_DS_OFFLOAD_IGNORED = {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path"}
+_DS_DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
+
+
+def is_deepspeed_config(raw: Mapping) -> bool:
+    """True when ``raw`` looks like a DeepSpeed config rather than an hf_zero one."""
+    if any(key in _DS_MARKERS for key in raw):
+        return True
+    ds_only_batch = {"train_batch_size", "train_micro_batch_size_per_gpu"}
+    ours = set(ZeroConfig.__dataclass_fields__)
+    return bool(ds_only_batch & set(raw)) and not (set(raw) - ds_only_batch) & (
+        ours - _DS_TOP_KNOWN
+    )
+
+
+def from_deepspeed(raw: Mapping) -> dict[str, Any]:
+    """Translate a DeepSpeed config dict into ZeroConfig field values.
+
+    Warns once, by name, about DeepSpeed keys that hf_zero accepts but does not implement.
+    """
+    values: dict[str, Any] = {}
+    ignored: list[str] = []
+    _check_section("", raw, _DS_TOP_KNOWN)
+    ignored += sorted(k for k in raw if k in _DS_TOP_UNSUPPORTED)
+
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
+        if key in raw:
+            values[key] = raw[key]
+    if "zero_allow_untested_optimizer" in raw:
+        values["allow_untested_optimizer"] = bool(raw["zero_allow_untested_optimizer"])
+    for key in ("optimizer", "scheduler"):
+        if raw.get(key) is not None:
+            values[key] = dict(raw[key])
+
+    fp16 = _section(raw, "fp16")
+    bf16 = _section(raw, "bf16")
+    fp16_on, bf16_on = _enabled(fp16, "fp16"), _enabled(bf16, "bf16")
+    if fp16_on is True and bf16_on is True:
+        raise ValueError(
+            "deepspeed config: 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one"
+        )
+    if fp16_on is True or bf16_on is True:
+        values["precision"] = "fp16" if fp16_on is True else "bf16"
+    elif AUTO in (fp16_on, bf16_on):
+        values["precision"] = AUTO  # the Trainer's --fp16/--bf16 decide
+    else:
+        values["precision"] = "fp32"
+    _check_section("fp16", fp16, set(_DS_FP16_MAP) | _DS_FP16_IGNORED)
+    _check_section("bf16", bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"})
+    for ds_key, field in _DS_FP16_MAP.items():
+        if ds_key in fp16:
+            values[field] = fp16[ds_key]
+
+    comm = raw.get("communication_data_type")
+    if comm is not None:
+        values["communication_data_type"] = _ds_dtype("communication_data_type", comm)
+    data_types = _section(raw, "data_types")
+    _check_section("data_types", data_types, {"grad_accum_dtype"})
+    if data_types.get("grad_accum_dtype") not in (None, "fp32"):
+        ignored.append("data_types.grad_accum_dtype (hf_zero accumulates gradients in fp32)")
+
+    zero = _section(raw, "zero_optimization")
+    known_zero = (
+        set(_DS_ZERO_MAP)
+        | _DS_ZERO_ALWAYS
+        | _DS_ZERO_UNSUPPORTED
+        | {"offload_optimizer", "offload_param"}
+    )
+    _check_section("zero_optimization", zero, known_zero)
+    for ds_key, field in _DS_ZERO_MAP.items():
+        if ds_key in zero:
+            values[field] = zero[ds_key]
+    ignored += [f"zero_optimization.{k}" for k in sorted(zero) if k in _DS_ZERO_UNSUPPORTED]
+    for which in ("offload_optimizer", "offload_param"):
+        section = _section(zero, which)
+        _check_section(f"zero_optimization.{which}", section, _DS_OFFLOAD_IGNORED)
+        device = section.get("device", "none")
+        if device == "nvme":
+            raise ValueError(
+                f"deepspeed config: 'zero_optimization.{which}.device' = 'nvme' is not supported; "
+                "allowed: 'none', 'cpu'"
+            )
+        values[which] = device
+        if device == "cpu" and set(section) - {"device", "pin_memory"}:
+            ignored.append(f"zero_optimization.{which} tuning keys")
+
+    tp = _section(raw, "tensor_parallel")
+    _check_section("tensor_parallel", tp, {"autotp_size", "tp_size", "partition_config"})
+    size = tp.get("autotp_size", tp.get("tp_size"))
+    if size is not None:
+        values["tp_size"] = size
+    if "partition_config" in tp:
+        ignored.append("tensor_parallel.partition_config")
+
+    if ignored:
+        warnings.warn(
+            "hf_zero: these DeepSpeed settings are accepted but not implemented and have no "
+            "effect: " + ", ".join(ignored),
+            stacklevel=3,
+        )
+    return values
+
+
+def _section(raw: Mapping, key: str) -> Mapping:
+    value = raw.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"deepspeed config: '{key}' = {value!r} must be a mapping")
+    return value
+
+
+def _enabled(section: Mapping, name: str) -> bool | str:
+    value = section.get("enabled", False)
+    if value == AUTO:
+        return AUTO
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"deepspeed config: '{name}.enabled' = {value!r}; allowed: true, false, 'auto'"
+        )
+    return value
+
+
+def _ds_dtype(key: str, value: str) -> str:
+    if value not in _DS_DTYPE_NAMES:
+        raise ValueError(
+            f"deepspeed config: '{key}' = {value!r}; allowed: {', '.join(sorted(_DS_DTYPE_NAMES))}"
+        )
+    return _DS_DTYPE_NAMES[value]
+
+
+def _check_section(prefix: str, section: Mapping, allowed: set[str]) -> None:
+    for key in section:
+        if key not in allowed:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ValueError(
+                f"deepspeed config: unknown key '{where}'{_suggest(key, allowed)}. "
+                f"Allowed here: {', '.join(sorted(allowed))}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_mapping(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"zero config: file '{path}' does not exist")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"zero config: '{path}' must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _check_keys(values: Mapping) -> dict[str, Any]:
+    fields = set(ZeroConfig.__dataclass_fields__)
+    for key in values:
+        if key not in fields:
+            raise ValueError(f"zero config: unknown key '{key}'{_suggest(key, fields)}")
+    return dict(values)
+
+
+def _suggest(key: str, options: set[str]) -> str:
+    close = difflib.get_close_matches(str(key), sorted(options), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed or isinstance(value, bool):
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(
+            f"zero config: '{name}' = {value!r} is not allowed; expected one of {shown}"
+        )
+
+
+def _at_least(name: str, value: Any, minimum: float) -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or math.isnan(value) or value < minimum:
+        kind = "an integer" if isinstance(minimum, int) else "a number"
+        raise ValueError(f"zero config: '{name}' = {value!r} must be {kind} >= {minimum}")
+    if isinstance(minimum, int) and not isinstance(value, int):
+        raise ValueError(f"zero config: '{name}' = {value!r} must be an integer >= {minimum}")
+
+
+def _int_or_auto(name: str, value: Any, minimum: int) -> int | str:
+    """Validate and normalise: DeepSpeed files often write sizes as floats like ``5e8``."""
+    if value == AUTO:
+        return value
+    if isinstance(value, str):
+        # YAML 1.1 reads "5e7" as a string.
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"zero config: '{name}' = {value!r} must be an integer >= {minimum} or 'auto'"
+        )
+    return value

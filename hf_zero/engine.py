@@ -1,0 +1,348 @@
+"""`initialize()` and `ZeroEngine`: the training surface users and integrations call.
+
+The engine wraps the user's model *in place*: parameters become views into flat buckets and hooks
+on them drive gradient reduction, so calling ``model(...)`` directly (as the Trainer's evaluation
+loop does) keeps working. The engine itself adds the DeepSpeed-style loop calls:
+``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from hf_zero.comm import Collectives, CommStats
+from hf_zero.config import ZeroConfig
+from hf_zero.flat_group import FlatParamGroup
+from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
+from hf_zero.partition import bucket_params
+from hf_zero.precision import DTYPES, LossScaler, dtype_of
+from hf_zero.reducer import GradientReducer
+from hf_zero.topology import Topology, current_device
+
+
+def initialize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: ZeroConfig | Mapping | str | Path | None = None,
+    lr_scheduler=None,
+    **overrides,
+) -> ZeroEngine:
+    """Wrap ``model`` and ``optimizer`` for ZeRO training and return the engine.
+
+    Args:
+        model: the model, on any device (it is moved to this rank's device).
+        optimizer: an elementwise torch optimizer built on ``model.parameters()`` (or param groups
+            of them). ``None`` builds one from the config's DeepSpeed-style ``optimizer`` section.
+        config: a `ZeroConfig`, a dict, or a path to an hf_zero YAML/JSON or DeepSpeed JSON.
+        lr_scheduler: optional scheduler on ``optimizer``, stepped after each real optimizer step
+            (skipped fp16 steps do not advance it).
+        overrides: config fields that win over ``config`` (e.g. ``stage=2``).
+
+    Example::
+
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=2)
+        for batch in loader:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+    """
+    return ZeroEngine(model, optimizer, ZeroConfig.load(config, **overrides), lr_scheduler)
+
+
+class ZeroEngine:
+    """ZeRO stages 0-2 over a model and an elementwise optimizer. Built by `initialize`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        config: ZeroConfig,
+        lr_scheduler=None,
+    ) -> None:
+        _refuse_unfinished(config)
+        self.config = config
+        self.module = model
+        # Everything that can be refused is checked before any process-group work.
+        if optimizer is None:
+            if config.optimizer is None:
+                raise ValueError(
+                    "hf_zero: pass an optimizer, or give the config an 'optimizer' section "
+                    'such as {"type": "AdamW", "params": {"lr": 1e-4}}'
+                )
+            optimizer = build_optimizer(
+                [p for p in model.parameters() if p.requires_grad], config.optimizer
+            )
+        check_elementwise(optimizer, config.allow_untested_optimizer)
+
+        self.topology = Topology.build(config.tp_size, config.node_size)
+        self.device = current_device()
+        self.comm = Collectives()
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config.resolve_auto(hidden_size=hidden, world_size=self.topology.dp_size)
+        config.check_batch_sizes(self.topology.dp_size)
+        self.dtype = DTYPES[config.precision]
+
+        model.to(self.device)
+        self._broadcast_module()
+
+        self.groups = self._build_groups(optimizer)
+        self._cast_other_params()
+        self.loss_scaler = LossScaler.from_config(config)
+        self.reducer = GradientReducer(
+            self.groups, config.stage, config.gradient_accumulation_steps, config.overlap_comm
+        )
+        self.reducer.on_backward_end = self._check_backward
+        self.optimizer = ShardedOptimizer(
+            optimizer, self.groups, self.comm, self.topology.dp, self.loss_scaler
+        )
+        self.lr_scheduler = lr_scheduler
+        self.global_steps = 0
+        """Optimizer steps taken."""
+        self.skipped_steps = 0
+        """Steps skipped because of fp16 overflow."""
+        self._last_step_micro = 0
+        self._clipped = False
+        self._in_engine_backward = False
+        self.comm.stats.reset()  # start counting from the first training step
+
+    # --- construction ------------------------------------------------------------------------
+    def _broadcast_module(self) -> None:
+        """Start every data-parallel rank from rank 0's weights and buffers, as DDP does."""
+        src = self.topology.dp.ranks[0]
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                self.comm.broadcast(t.data, src, self.topology.dp)
+
+    def _build_groups(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:
+        names = {}
+        for name, p in self.module.named_parameters():
+            names.setdefault(id(p), name)
+        group_of = {}
+        for index, param_group in enumerate(optimizer.param_groups):
+            for p in param_group["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"hf_zero: optimizer param group {index} holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                        "optimizer on model.parameters()"
+                    )
+                if id(p) in group_of:
+                    raise ValueError(
+                        f"hf_zero: parameter '{names[id(p)]}' appears in more than one "
+                        "optimizer param group"
+                    )
+                group_of[id(p)] = index
+        ordered = list(dict.fromkeys(self.module.parameters()))
+        left_out = [names[id(p)] for p in ordered if p.requires_grad and id(p) not in group_of]
+        if left_out:
+            warnings.warn(
+                f"hf_zero: {len(left_out)} trainable parameters are not in the optimizer and will "
+                f"not be updated or synchronised (first: {left_out[:3]})",
+                stacklevel=3,
+            )
+        # Gradients become ready roughly in reverse order of registration.
+        items = [
+            (group_of[id(p)], p) for p in reversed(ordered) if p.requires_grad and id(p) in group_of
+        ]
+        reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
+        groups = []
+        for index, (pg_index, params) in enumerate(
+            bucket_params(items, self.config.reduce_bucket_size)
+        ):
+            groups.append(
+                FlatParamGroup(
+                    index=index,
+                    param_group_index=pg_index,
+                    names=[names[id(p)] for p in params],
+                    params=params,
+                    stage=self.config.stage,
+                    dtype=self.dtype,
+                    reduce_dtype=reduce_dtype,
+                    shard_group=self.topology.dp,
+                    rank=self.topology.rank,
+                    comm=self.comm,
+                )
+            )
+        self._grouped = {id(p) for g in groups for p in g.params}
+        return groups
+
+    def _cast_other_params(self) -> None:
+        """Cast parameters outside the buckets (frozen ones) to the compute dtype."""
+        for p in self.module.parameters():
+            if id(p) not in self._grouped and p.is_floating_point() and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
+
+    # --- the training loop -------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """Backward of ``loss``, scaled for fp16 and divided by the accumulation steps."""
+        scale = self.loss_scaler.scale
+        if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
+            scale /= self.config.gradient_accumulation_steps
+        self._in_engine_backward = True
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            self._in_engine_backward = False
+
+    def _check_backward(self, synced: bool) -> None:
+        if self.loss_scaler.enabled and not self._in_engine_backward:
+            raise RuntimeError(
+                "hf_zero: with fp16 loss scaling call engine.backward(loss), not loss.backward(), "
+                "so that the loss is scaled before backward"
+            )
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` will update the parameters."""
+        return self.reducer.at_boundary and self._last_step_micro != self.reducer.micro_steps
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the global gradient norm (across all shards); returns the pre-clip norm.
+
+        Call it between the last ``backward`` of an accumulation window and ``step``. The
+        post-clip norm is kept in ``engine.grad_norm_post_clip``.
+        """
+        self._clipped = True
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Pre-clip global gradient norm of the last step that computed one."""
+        return self.optimizer.last_grad_norm
+
+    @property
+    def grad_norm_post_clip(self) -> float | None:
+        return self.optimizer.last_grad_norm_post_clip
+
+    def step(self) -> bool:
+        """Update the parameters if an accumulation window is complete; True if updated.
+
+        Off the boundary it does nothing (DeepSpeed's convention), so calling it after every
+        micro-batch is fine. Gradients are cleared after the update.
+        """
+        if not self.is_gradient_accumulation_boundary():
+            return False
+        self._last_step_micro = self.reducer.micro_steps
+        stepped = self.optimizer.step(self.config.gradient_clipping, clipped=self._clipped)
+        if stepped:
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.zero_grad()
+        return stepped
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.zero_grad()
+        self.optimizer.end_step()
+        self._clipped = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication for the backward passes inside (stages 0 and 1).
+
+        Stage 2 still reduce-scatters every backward and accumulates the shard, because it
+        keeps no full-size gradients to accumulate locally; the result is the same.
+        """
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    # --- inspection --------------------------------------------------------------------------
+    @property
+    def comm_stats(self) -> CommStats:
+        """Bytes and calls per collective kind since initialisation (``.reset()`` to restart)."""
+        return self.comm.stats
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind: params, grads, master_weights, optimizer_states.
+
+        Counts the tensors themselves (flat buffers, shards, optimizer state), not allocator
+        caches, so the figures can be checked against the ZeRO formulas.
+        """
+        report = {"params": 0, "grads": 0, "master_weights": 0, "optimizer_states": 0}
+        for group in self.groups:
+            for kind, nbytes in group.held_bytes().items():
+                report[kind] += nbytes
+        for p in self.module.parameters():
+            if id(p) not in self._grouped:
+                report["params"] += p.numel() * p.element_size()
+                if p.grad is not None:
+                    report["grads"] += p.grad.numel() * p.grad.element_size()
+        report["optimizer_states"] = self.optimizer.state_bytes()
+        report["total"] = sum(report.values())
+        return report
+
+    def full_state_dict(
+        self, rank0_only: bool = True, master_weights: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The model's complete state dict on CPU, for ``save_pretrained``.
+
+        ``master_weights=True`` replaces trainable parameters with their fp32 master values
+        (gathered across ranks: collective). With ``rank0_only`` other ranks get ``{}``.
+        """
+        fp32 = {}
+        if master_weights:
+            for group in self.groups:
+                full = group.full_master()
+                for slot, p in zip(group.layout.slots, group.params):
+                    fp32[id(p)] = full[slot.offset : slot.end].view(slot.shape)
+        if rank0_only and self.topology.rank != 0:
+            return {}
+        by_storage = {}
+        for p in self.module.parameters():
+            if id(p) in fp32:
+                by_storage[p.data_ptr()] = fp32[id(p)]
+        state = {}
+        for key, tensor in self.module.state_dict().items():
+            value = by_storage.get(tensor.data_ptr(), tensor)
+            state[key] = value.detach().to("cpu", copy=True)
+        return state
+
+
+def _refuse_unfinished(config: ZeroConfig) -> None:
+    """Features the config accepts but this version does not implement yet."""
+    unfinished = {
+        "stage": (config.stage == 3, "ZeRO stage 3 (parameter sharding)"),
+        "offload_optimizer": (config.offload_optimizer != "none", "ZeRO-Offload"),
+        "quantized_gradients": (config.quantized_gradients, "ZeRO++ qgZ"),
+        "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
+        "tp_size": (config.tp_size > 1, "AutoTP tensor parallelism"),
+    }
+    for key, (requested, what) in unfinished.items():
+        if requested:
+            raise NotImplementedError(
+                f"hf_zero: '{key}' = {getattr(config, key)!r} asks for {what}, which this version "
+                "does not implement yet (see docs/STATUS.md); use stage 0, 1 or 2 without it"
+            )

@@ -1,0 +1,206 @@
+"""The user's optimizer, re-pointed at fp32 master-weight shards, and the step around it.
+
+ZeRO stages 1-2 give each rank one flat fp32 shard per bucket. Because the update rule of the
+supported optimizers is elementwise, running the user's own optimizer object on those flat shards
+computes exactly what it would compute on whole parameters. The optimizer object is kept (its
+``param_groups`` are re-pointed in place), so hyperparameters, per-group learning rates and any
+LR scheduler attached to it keep working.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_zero.comm import Collectives
+from hf_zero.flat_group import FlatParamGroup
+from hf_zero.precision import LossScaler
+from hf_zero.topology import Group
+
+# Optimizers whose update of each element depends only on that element's own state.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# Known to couple elements (per-tensor norms, factored or matrix statistics, closures).
+NON_ELEMENTWISE_NAMES = {
+    "LBFGS",
+    "SparseAdam",
+    "Adafactor",
+    "Lamb",
+    "LAMB",
+    "FusedLamb",
+    "OnebitLamb",
+    "Lars",
+    "LARS",
+    "Shampoo",
+    "DistributedShampoo",
+    "Muon",
+    "GaLoreAdamW",
+}
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
+    """Raise ``ValueError`` unless ``optimizer``'s update is known to be elementwise."""
+    cls = type(optimizer)
+    names = {c.__name__ for c in cls.__mro__}
+    if names & NON_ELEMENTWISE_NAMES:
+        raise ValueError(
+            f"hf_zero: optimizer {cls.__name__} is not elementwise (its update mixes elements of a "
+            "tensor through norms, factored or matrix statistics), so it cannot run on flat "
+            "ZeRO shards. Use an elementwise optimizer such as torch.optim.AdamW, or stage 0."
+        )
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not allow_untested:
+        known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(
+            f"hf_zero: optimizer {cls.__module__}.{cls.__name__} has not been verified to be "
+            f"elementwise. Verified: {known}. If its update is elementwise, set "
+            "'allow_untested_optimizer': true (DeepSpeed: 'zero_allow_untested_optimizer')."
+        )
+
+
+OPTIMIZER_TYPES = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+
+
+def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
+    """Build an optimizer from a DeepSpeed-style ``{"type": ..., "params": {...}}`` section."""
+    kind = str(spec.get("type", "")).lower()
+    if kind not in OPTIMIZER_TYPES:
+        raise ValueError(
+            f"zero config: 'optimizer.type' = {spec.get('type')!r}; allowed: "
+            + ", ".join(c.__name__ for c in OPTIMIZER_TYPES.values())
+        )
+    kwargs = dict(spec.get("params", {}))
+    auto = [k for k, v in kwargs.items() if v == "auto"]
+    if auto:
+        raise ValueError(
+            f"zero config: 'optimizer.params' has unresolved 'auto' values for {auto}; "
+            "pass them explicitly or let the Trainer integration resolve them"
+        )
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return OPTIMIZER_TYPES[kind](params, **kwargs)
+
+
+class ShardedOptimizer:
+    """Steps the user's optimizer on fp32 master shards: unscale, clip, step, gather back."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: list[FlatParamGroup],
+        comm: Collectives,
+        dp_group: Group,
+        loss_scaler: LossScaler,
+    ) -> None:
+        self.optimizer = optimizer
+        self.groups = groups
+        self.comm = comm
+        self.dp_group = dp_group
+        self.loss_scaler = loss_scaler
+        self.last_grad_norm: float | None = None
+        """Global gradient norm before clipping, from the last clip (None if not computed)."""
+        self.last_grad_norm_post_clip: float | None = None
+        self._grads_prepared = False
+        self._overflow = False
+        if optimizer.state:
+            # State keyed by the old parameters would be silently orphaned.
+            raise ValueError(
+                "hf_zero: the optimizer already has state; pass a freshly built optimizer and "
+                "restore state through engine.load_checkpoint()"
+            )
+        for index, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [g.master for g in groups if g.param_group_index == index]
+
+    # --- per-step gradient preparation -------------------------------------------------------
+    def prepare_grads(self) -> bool:
+        """Check fp16 overflow on every rank and unscale; True if the step must be skipped."""
+        if self._grads_prepared:
+            return self._overflow
+        self._grads_prepared = True
+        grads = [g.master.grad for g in self.groups if g.master.grad is not None]
+        if self.loss_scaler.enabled:
+            local = any(not torch.isfinite(g).all() for g in grads)
+            flag = torch.tensor([1.0 if local else 0.0], device=self._device())
+            self.comm.all_reduce_max(flag, self.dp_group)
+            self._overflow = bool(flag.item())
+            if not self._overflow:
+                inv = 1.0 / self.loss_scaler.scale
+                for g in grads:
+                    g.mul_(inv)
+        return self._overflow
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the whole (unscaled) gradient across all shards (collective)."""
+        self.prepare_grads()
+        sq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        for g in self.groups:
+            if g.master.grad is not None:
+                sq += g.master.grad.float().pow(2).sum()
+        if self.groups and self.groups[0].layout.num_shards > 1:
+            self.comm.all_reduce(sq, self.dp_group)
+        return math.sqrt(sq.item())
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
+        norm = self.global_grad_norm()
+        self.last_grad_norm = norm
+        if self._overflow or not math.isfinite(norm):
+            self.last_grad_norm_post_clip = norm
+            return norm
+        # Same rule as torch.nn.utils.clip_grad_norm_.
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in self.groups:
+                if g.master.grad is not None:
+                    g.master.grad.mul_(coef)
+        self.last_grad_norm_post_clip = norm * min(coef, 1.0)
+        return norm
+
+    # --- the step ----------------------------------------------------------------------------
+    def step(self, gradient_clipping: float = 0.0, clipped: bool = False) -> bool:
+        """One optimizer step on the master shards, then all-gather. False if skipped (fp16)."""
+        overflow = self.prepare_grads()
+        self.loss_scaler.update(overflow)
+        if overflow:
+            return False
+        if gradient_clipping > 0 and not clipped:
+            self.clip_grad_norm_(gradient_clipping)
+        self.optimizer.step()
+        works = [g.gather_params(async_op=True) for g in self.groups]
+        for work in works:
+            if work is not None:
+                work.wait()
+        return True
+
+    def end_step(self) -> None:
+        self._grads_prepared = False
+        self._overflow = False
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors (momenta, variances, step counters)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    total += value.numel() * value.element_size()
+        return total
+
+    def _device(self) -> torch.device:
+        return self.groups[0].master.device if self.groups else torch.device("cpu")

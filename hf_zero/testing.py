@@ -1,0 +1,139 @@
+"""Run a function on N real ranks (gloo, one thread each) and collect what each returns.
+
+Used by hf_zero's own tests and usable in yours::
+
+    from hf_zero.testing import run_distributed
+
+    def body(scale):
+        import torch.distributed as dist
+        return dist.get_rank() * scale
+
+    assert run_distributed(body, world_size=2, args=(10,)) == [0, 10]
+
+Ranks are forked from a fork server that has already imported torch and transformers, so a
+group starts in about a second. ``body`` must be importable (a module-level function). A rank
+that raises makes the call raise ``AssertionError`` with every failing rank's traceback; a group
+that has not finished within ``timeout`` seconds is killed and reported, so a hang fails the test
+instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import transformers  # noqa: F401  (preloaded into the fork server)
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["hf_zero.testing", "transformers.models.llama.modeling_llama"])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    node_size: int,
+    timeout: float,
+    fn: Callable,
+    args: Sequence,
+    kwargs: dict,
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % node_size),
+        LOCAL_WORLD_SIZE=str(node_size),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
+        value = fn(*args, **kwargs)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)  # tensors travel as bytes, not shared-memory handles
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    timeout: float = 240.0,
+    node_size: int | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's value, by rank.
+
+    ``node_size`` sets ``LOCAL_WORLD_SIZE`` so that several simulated nodes share this machine.
+    """
+    node_size = node_size or world_size
+    results = _CTX.Queue()
+    port = free_port()
+    procs = [
+        _CTX.Process(
+            target=_worker,
+            args=(rank, world_size, port, node_size, timeout, fn, args, kwargs or {}, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                break
+            outcomes[rank] = (status, payload)
+            if status == "error":
+                # Peers of a failed rank usually block in a collective: give them a moment to
+                # fail on their own, then stop waiting.
+                deadline = min(deadline, time.monotonic() + 5.0)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=1.0 if len(outcomes) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    errors = {r: msg for r, (status, msg) in outcomes.items() if status == "error"}
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if errors or missing:
+        lines = [f"{fn.__name__} on {world_size} ranks failed:"]
+        lines += [f"--- rank {r} raised:\n{msg}" for r, msg in sorted(errors.items())]
+        if missing:
+            lines.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (hang?)")
+        raise AssertionError("\n".join(lines))
+    return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]

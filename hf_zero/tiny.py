@@ -1,0 +1,59 @@
+"""An embedded tiny model and text, so examples and tests run offline in seconds.
+
+The tokenizer is UTF-8 bytes (vocabulary 256), so no tokenizer files are needed.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import torch
+
+
+def tiny_llama_config(**overrides):
+    """A LlamaConfig small enough for CPU tests; ``overrides`` change any field."""
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def tiny_llama(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A freshly initialised tiny ``LlamaForCausalLM``, identical for identical seeds."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_corpus() -> str:
+    """A few paragraphs of plain English prose shipped with the package."""
+    return resources.files("hf_zero").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+
+
+def byte_tokens(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def token_batches(seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
+    """An endless stream of ``(batch_size, seq_len)`` windows of the corpus, disjoint per rank.
+
+    Window starts are drawn from a generator seeded by ``seed``; rank ``r`` takes every
+    ``world_size``-th draw, like a distributed sampler.
+    """
+    tokens = byte_tokens(tiny_corpus())
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(tokens) - seq_len, (batch_size * world_size,), generator=g)
+        mine = starts[rank::world_size]
+        yield torch.stack([tokens[s : s + seq_len] for s in mine.tolist()])

@@ -1,0 +1,125 @@
+"""Process groups: data parallel, tensor parallel, intra-node and inter-node.
+
+Rank layout: ``rank = dp_index * tp_size + tp_index``, so a tensor-parallel group is a run of
+consecutive ranks (inside one node whenever ``tp_size`` divides the node size). A "node" is a run
+of ``node_size`` consecutive ranks; ``node_size`` defaults to ``LOCAL_WORLD_SIZE`` as set by
+torchrun/accelerate, and can be set explicitly to simulate several nodes on one machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group with the facts the collectives layer needs for byte accounting."""
+
+    pg: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    spans_nodes: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+
+@dataclass
+class Topology:
+    """The process groups one rank belongs to."""
+
+    world_size: int
+    rank: int
+    tp_size: int
+    node_size: int
+    dp: Group
+    tp: Group
+    intra_node: Group
+    inter_node: Group
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank_of(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank_of(self.rank)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.node_size
+
+    def node_of(self, global_rank: int) -> int:
+        return global_rank // self.node_size
+
+    @classmethod
+    def build(cls, tp_size: int = 1, node_size: int | None = None) -> Topology:
+        """Create every group. Collective: all ranks must call it with the same arguments."""
+        if not dist.is_initialized():
+            init_distributed()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if node_size is None:
+            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if tp_size < 1 or world % tp_size:
+            raise ValueError(
+                f"zero config: 'tp_size' = {tp_size} must divide the world size {world}"
+            )
+        if node_size < 1 or world % node_size:
+            raise ValueError(
+                f"zero config: 'node_size' = {node_size} must divide the world size {world}"
+            )
+
+        def make(members_of: list[tuple[int, ...]]) -> Group:
+            # new_group is collective over the world: every rank creates every group, in order.
+            mine = None
+            for ranks in members_of:
+                spans = len({r // node_size for r in ranks}) > 1
+                pg = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+                if rank in ranks:
+                    mine = Group(pg, ranks, spans)
+            assert mine is not None
+            return mine
+
+        dp_size = world // tp_size
+        dp = make([tuple(d * tp_size + t for d in range(dp_size)) for t in range(tp_size)])
+        tp = make([tuple(d * tp_size + t for t in range(tp_size)) for d in range(dp_size)])
+        num_nodes = world // node_size
+        intra = make([tuple(n * node_size + i for i in range(node_size)) for n in range(num_nodes)])
+        inter = make([tuple(n * node_size + i for n in range(num_nodes)) for i in range(node_size)])
+        return cls(world, rank, tp_size, node_size, dp, tp, intra, inter)
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise the default process group from the launcher's environment.
+
+    Under torchrun/accelerate the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` variables are
+    set. A plain ``python script.py`` gets a one-rank group, so the same code runs unlaunched.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if current_device().type == "cuda" else "gloo"
+    if current_device().type == "cuda":
+        torch.cuda.set_device(current_device())
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,133 @@
+"""Shared pieces of the distributed tests: a tiny model, data, and the torch DDP reference.
+
+Everything here runs inside ranks started by ``hf_zero.testing.run_distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from hf_zero.tiny import tiny_llama
+
+# Dimensions chosen so that flat buckets need padding at world sizes 2 and 4 (prime vocabulary,
+# odd sizes), with tied embeddings larger than the test bucket size.
+MODEL = dict(
+    vocab_size=251,
+    hidden_size=40,
+    intermediate_size=90,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+BUCKET = 4000  # elements; the embedding (251 x 40 = 10040) is larger than a bucket
+FROZEN = "model.layers.0.input_layernorm.weight"
+SEQ, BATCH = 16, 2
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    model = tiny_llama(seed, **MODEL)
+    model.get_parameter(FROZEN).requires_grad_(False)
+    return model
+
+
+def two_param_groups(model: torch.nn.Module, lr: float = 1e-3) -> list[dict]:
+    """Weight decay on matrices, none on vectors, with a different learning rate each."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1, "lr": lr},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 2 * lr},
+    ]
+
+
+def batch(rank: int, step: int, micro: int, vocab: int = MODEL["vocab_size"]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+
+
+def named_fp32(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def train_ddp(
+    steps: int, gas: int, clip: float, precision: str = "fp32", seed: int = 0
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: torch DDP, with fp32 master weights kept by hand for 16-bit precisions."""
+    rank = dist.get_rank()
+    model = build_model(seed)
+    master = build_model(seed) if precision != "fp32" else model
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for p in model.parameters():  # buffers (rotary inv_freq) stay fp32, as in HF bf16 models
+        p.data = p.data.to(dtype)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(two_param_groups(master))
+    trainable = [(p, q) for p, q in zip(model.parameters(), master.parameters()) if p.requires_grad]
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            ctx = ddp.no_sync() if micro < gas - 1 else contextlib.nullcontext()
+            with ctx:
+                x = batch(rank, step, micro)
+                loss = ddp(input_ids=x, labels=x).loss
+                (loss / gas).backward()
+            losses.append(loss.item())
+        if master is not model:
+            for p, q in trainable:
+                q.grad = p.grad.float()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([q for _, q in trainable], clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        if master is not model:
+            with torch.no_grad():
+                for p, q in trainable:
+                    p.copy_(q)
+    return losses, named_fp32(model)
+
+
+def train_zero(
+    steps: int, gas: int, clip: float, stage: int, precision: str = "fp32", seed: int = 0, **cfg
+):
+    """The same run through hf_zero; returns (losses, parameters, engine)."""
+    rank = dist.get_rank()
+    model = build_model(seed)
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(two_param_groups(model)),
+        stage=stage,
+        precision=precision,
+        gradient_accumulation_steps=gas,
+        gradient_clipping=clip,
+        reduce_bucket_size=BUCKET,
+        **cfg,
+    )
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            x = batch(rank, step, micro)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses, named_fp32(model), engine
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative difference ||a - b|| / ||b||."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(rel_diff(a[k], b[k]) for k in a)
+
+
+def max_loss_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

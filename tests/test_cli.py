@@ -1,0 +1,27 @@
+"""The hf-zero command."""
+
+import json
+
+from hf_zero.cli import main
+
+
+def test_config_prints_resolved_settings(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
+    assert main(["config", str(path), "--set", "overlap_comm=false"]) == 0
+    out = capsys.readouterr().out
+    assert "stage: 2" in out and "gradient_clipping: 1.0" in out and "overlap_comm: false" in out
+
+
+def test_config_reports_errors(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("stage: 2\nreduce_bucket: 100\n")
+    assert main(["config", str(path)]) == 2
+    assert (
+        "unknown key 'reduce_bucket'; did you mean 'reduce_bucket_size'?" in capsys.readouterr().err
+    )
+
+
+def test_env(capsys):
+    assert main(["env"]) == 0
+    assert "torch" in capsys.readouterr().out

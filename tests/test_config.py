@@ -1,0 +1,234 @@
+"""ZeroConfig: hf_zero files, DeepSpeed files (the Hugging Face docs' examples), errors."""
+
+import json
+import warnings
+
+import pytest
+
+from hf_zero import ZeroConfig
+from hf_zero.config import is_deepspeed_config
+
+FP16_AUTO = {
+    "enabled": "auto",
+    "loss_scale": 0,
+    "loss_scale_window": 1000,
+    "initial_scale_power": 16,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+OPTIMIZER_AUTO = {
+    "type": "AdamW",
+    "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+}
+SCHEDULER_AUTO = {
+    "type": "WarmupLR",
+    "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+}
+BATCH_AUTO = {
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+# The ZeRO-2 and ZeRO-3 examples of the Hugging Face DeepSpeed integration guide.
+DS_ZERO2 = {
+    "fp16": FP16_AUTO,
+    "bf16": {"enabled": "auto"},
+    "optimizer": OPTIMIZER_AUTO,
+    "scheduler": SCHEDULER_AUTO,
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    **BATCH_AUTO,
+}
+DS_ZERO3 = {
+    "fp16": FP16_AUTO,
+    "bf16": {"enabled": "auto"},
+    "optimizer": OPTIMIZER_AUTO,
+    "scheduler": SCHEDULER_AUTO,
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    **BATCH_AUTO,
+}
+
+
+def _load_quiet(source, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ZeroConfig.load(source, **kw)
+
+
+def test_defaults_are_valid():
+    cfg = ZeroConfig()
+    assert cfg.stage == 0 and cfg.precision == "fp32" and cfg.gradient_accumulation_steps == 1
+
+
+def test_hf_docs_zero2_example_loads(tmp_path):
+    path = tmp_path / "ds_zero2.json"
+    path.write_text(json.dumps(DS_ZERO2))
+    with pytest.warns(UserWarning, match="steps_per_print.*wall_clock_breakdown"):
+        cfg = ZeroConfig.load(path)
+    assert cfg.stage == 2
+    assert cfg.offload_optimizer == "cpu"
+    assert cfg.reduce_bucket_size == 200_000_000 and isinstance(cfg.reduce_bucket_size, int)
+    assert cfg.precision == "auto" and cfg.gradient_accumulation_steps == "auto"
+    assert cfg.optimizer["type"] == "AdamW"
+    cfg.resolve_auto(
+        hidden_size=64,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        world_size=2,
+        max_grad_norm=1.0,
+        precision="bf16",
+    )
+    assert cfg.train_micro_batch_size_per_gpu == 4
+    assert cfg.gradient_accumulation_steps == 2
+    assert cfg.train_batch_size == 16
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.precision == "bf16"
+    assert cfg.reduce_bucket_size == 200_000_000  # explicit values are not "auto"
+
+
+def test_hf_docs_zero3_example_loads_and_resolves_from_hidden_size(tmp_path):
+    path = tmp_path / "ds_zero3.json"
+    path.write_text(json.dumps(DS_ZERO3))
+    cfg = _load_quiet(path)
+    assert cfg.stage == 3
+    assert cfg.offload_param == "cpu"
+    assert cfg.max_live_parameters == 10**9 and isinstance(cfg.max_live_parameters, int)
+    cfg.resolve_auto(hidden_size=64)
+    assert cfg.reduce_bucket_size == 64 * 64
+    assert cfg.prefetch_bucket_size == int(0.9 * 64 * 64)
+    assert cfg.param_persistence_threshold == 10 * 64
+    # Nothing known about the batch: "auto" falls back to the defaults.
+    assert cfg.gradient_accumulation_steps == 1
+    assert cfg.precision == "fp32"
+    assert cfg.gradient_clipping == 0.0
+
+
+def test_deepspeed_zeropp_and_tp_keys_map():
+    ds = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_weights": True,
+            "zero_hpz_partition_size": 2,
+            "zero_quantized_gradients": True,
+            "zero_quantized_nontrainable_weights": True,
+        },
+        "tensor_parallel": {"autotp_size": 2},
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+    }
+    cfg = ZeroConfig.load(ds)
+    assert (cfg.quantized_weights, cfg.hpz_partition_size, cfg.quantized_gradients) == (
+        True,
+        2,
+        True,
+    )
+    assert cfg.quantized_nontrainable_weights and cfg.tp_size == 2
+    assert cfg.precision == "bf16" and cfg.gradient_clipping == 1.0
+    assert cfg.allow_untested_optimizer
+
+
+def test_hf_zero_yaml_and_overrides(tmp_path):
+    path = tmp_path / "zero.yaml"
+    path.write_text("stage: 1\nprecision: bf16\ngradient_clipping: 1.0\nreduce_bucket_size: 5e7\n")
+    cfg = ZeroConfig.load(path, stage=2, precision=None)
+    assert cfg.stage == 2  # the override wins
+    assert cfg.precision == "bf16"  # None means "not given"
+    assert cfg.reduce_bucket_size == 50_000_000
+    assert not is_deepspeed_config({"stage": 1, "precision": "bf16"})
+    assert is_deepspeed_config({"zero_optimization": {"stage": 1}})
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ({"stgae": 2}, r"unknown key 'stgae'; did you mean 'stage'\?"),
+        ({"zero_optimization": {"stgae": 2}}, r"'zero_optimization.stgae'.*did you mean 'stage'"),
+        ({"train_batch_sise": 8, "fp16": {}}, r"unknown key 'train_batch_sise'.*train_batch_size"),
+        ({"fp16": {"enabeld": True}}, r"'fp16.enabeld'.*did you mean 'enabled'"),
+    ],
+)
+def test_unknown_keys_name_the_nearest_valid_one(source, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig.load(source)
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"stage": 5}, r"'stage' = 5 is not allowed; expected one of 0, 1, 2, 3"),
+        ({"precision": "fp8"}, r"'precision' = 'fp8' is not allowed"),
+        ({"gradient_clipping": -1.0}, r"'gradient_clipping' = -1.0 must be a number >= 0"),
+        ({"gradient_accumulation_steps": 0}, r"'gradient_accumulation_steps' = 0 must be an int"),
+        ({"reduce_bucket_size": 1.5}, r"'reduce_bucket_size' = 1.5 must be an integer"),
+        ({"hysteresis": 0}, r"'hysteresis' = 0 must be an integer >= 1"),
+        ({"offload_optimizer": "nvme", "stage": 2}, r"'offload_optimizer' = 'nvme'"),
+        ({"offload_optimizer": "cpu"}, r"'offload_optimizer' = 'cpu' needs 'stage' 1, 2 or 3"),
+        ({"quantized_weights": True, "stage": 2}, r"'quantized_weights' = True needs 'stage' = 3"),
+        ({"hpz_partition_size": 2, "stage": 1}, r"'hpz_partition_size' = 2 needs 'stage' = 3"),
+        (
+            {"quantized_gradients": True, "stage": 1},
+            r"'quantized_gradients' = True needs 'stage' 2",
+        ),
+        ({"tp_size": 0}, r"'tp_size' = 0 must be an integer >= 1"),
+    ],
+)
+def test_impossible_values_name_key_value_and_allowed(values, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig.load(values)
+
+
+def test_deepspeed_contradictions_and_unsupported_values():
+    with pytest.raises(ValueError, match=r"'fp16\.enabled' and 'bf16\.enabled' are both true"):
+        ZeroConfig.load({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"offload_optimizer.device' = 'nvme'"):
+        ZeroConfig.load(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+        )
+    with pytest.raises(ValueError, match=r"'fp16.enabled' = 'yes'"):
+        ZeroConfig.load({"fp16": {"enabled": "yes"}})
+
+
+def test_unimplemented_deepspeed_keys_are_warned_by_name():
+    ds = {"zero_optimization": {"stage": 1, "mics_shard_size": 8}, "flops_profiler": {}}
+    with pytest.warns(UserWarning, match=r"flops_profiler, zero_optimization.mics_shard_size"):
+        ZeroConfig.load(ds)
+
+
+def test_missing_file_and_batch_size_mismatch(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ZeroConfig.load(tmp_path / "nope.yaml")
+    cfg = ZeroConfig.load(
+        {
+            "train_batch_size": 12,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+        }
+    )
+    with pytest.raises(ValueError, match=r"'train_batch_size' = 12 must equal .* = 8"):
+        cfg.check_batch_sizes(world_size=2)
+    cfg.check_batch_sizes(world_size=3)  # 2 x 2 x 3 = 12: fine
