@@ -53,10 +53,24 @@ def named_fp32(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
+def adamw(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups)
+
+
 def train_ddp(
-    steps: int, gas: int, clip: float, precision: str = "fp32", seed: int = 0
+    steps: int,
+    gas: int,
+    clip: float,
+    precision: str = "fp32",
+    seed: int = 0,
+    make_optimizer=adamw,
+    make_scheduler=None,
+    norms: list | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The reference: torch DDP, with fp32 master weights kept by hand for 16-bit precisions."""
+    """The reference: torch DDP, with fp32 master weights kept by hand for 16-bit precisions.
+
+    ``norms`` collects the pre-clip global gradient norm of each step.
+    """
     rank = dist.get_rank()
     model = build_model(seed)
     master = build_model(seed) if precision != "fp32" else model
@@ -64,7 +78,8 @@ def train_ddp(
     for p in model.parameters():  # buffers (rotary inv_freq) stay fp32, as in HF bf16 models
         p.data = p.data.to(dtype)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(two_param_groups(master))
+    opt = make_optimizer(two_param_groups(master))
+    scheduler = make_scheduler(opt) if make_scheduler else None
     trainable = [(p, q) for p, q in zip(model.parameters(), master.parameters()) if p.requires_grad]
     losses = []
     for step in range(steps):
@@ -79,8 +94,12 @@ def train_ddp(
             for p, q in trainable:
                 q.grad = p.grad.float()
         if clip:
-            torch.nn.utils.clip_grad_norm_([q for _, q in trainable], clip)
+            norm = torch.nn.utils.clip_grad_norm_([q for _, q in trainable], clip)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         if master is not model:

@@ -9,9 +9,24 @@ stage 2 with accumulation drifts to ~8e-6 after three steps while its gradients 
 7e-8.
 """
 
-import pytest
-from helpers import BUCKET, max_loss_diff, max_param_diff, train_ddp, train_zero
+import contextlib
 
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import (
+    BUCKET,
+    batch,
+    build_model,
+    max_loss_diff,
+    max_param_diff,
+    named_fp32,
+    train_ddp,
+    train_zero,
+    two_param_groups,
+)
+
+import hf_zero
 from hf_zero.testing import run_distributed
 
 STEPS = 3
@@ -69,3 +84,115 @@ def test_bf16_matches_ddp_within_tolerance(stage):
     for r in run_distributed(_parity_bf16, 2, args=(stage,)):
         assert r["loss"] <= BF16_TOL, r
         assert r["param"] <= BF16_TOL, r
+
+
+# --- the loop a DDP user writes, unchanged, over hf_zero --------------------------------------
+# model(...) called directly, loss.backward(), no_sync() for accumulation, explicit
+# clip_grad_norm_ (its return value checked against torch's), an LR scheduler, other
+# elementwise optimizers, and overlap_comm off.
+
+
+def sgd_momentum(groups):
+    return torch.optim.SGD(groups, momentum=0.9, nesterov=True)
+
+
+def adagrad(groups):
+    return torch.optim.Adagrad(groups)
+
+
+def halving(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _ddp_style(stage: int, make_optimizer, overlap_comm: bool) -> dict:
+    steps, gas, clip = 3, 3, 0.3
+    ref_norms: list[float] = []
+    ref_losses, ref_params = train_ddp(
+        steps, gas, clip, make_optimizer=make_optimizer, make_scheduler=halving, norms=ref_norms
+    )
+    rank = dist.get_rank()
+    model = build_model()
+    optimizer = make_optimizer(two_param_groups(model))
+    scheduler = halving(optimizer)
+    engine = hf_zero.initialize(
+        model, optimizer, stage=stage, reduce_bucket_size=BUCKET, overlap_comm=overlap_comm
+    )
+    losses, norms, post_clip, lrs = [], [], [], []
+    for step in range(steps):
+        for micro in range(gas):
+            ctx = engine.no_sync() if micro < gas - 1 else contextlib.nullcontext()
+            with ctx:
+                x = batch(rank, step, micro)
+                loss = model(input_ids=x, labels=x).loss
+                (loss / gas).backward()
+            losses.append(loss.item())
+        norms.append(engine.clip_grad_norm_(clip))
+        post_clip.append(engine.grad_norm_post_clip)
+        engine.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[1]["lr"])
+    return {
+        "loss": max_loss_diff(losses, ref_losses),
+        "param": max_param_diff(named_fp32(model), ref_params),
+        "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+        "post_clip": post_clip,
+        "lrs": lrs,
+    }
+
+
+@pytest.mark.parametrize(
+    ("stage", "make_optimizer", "overlap_comm"),
+    [(1, sgd_momentum, True), (2, sgd_momentum, False), (2, adagrad, True), (0, adagrad, False)],
+    ids=["stage1-sgd", "stage2-sgd-no-overlap", "stage2-adagrad", "stage0-adagrad-no-overlap"],
+)
+def test_ddp_style_loop_matches_ddp(stage, make_optimizer, overlap_comm):
+    for r in run_distributed(_ddp_style, 2, args=(stage, make_optimizer, overlap_comm)):
+        assert r["loss"] <= FP32_TOL and r["param"] <= FP32_TOL, r
+        assert r["norm"] <= FP32_TOL, "pre-clip norm differs from torch's clip_grad_norm_"
+        assert all(abs(n - 0.3) < 1e-5 for n in r["post_clip"]), r["post_clip"]
+        assert r["lrs"] == [2e-3 * 0.5**k for k in (1, 2, 3)]  # the scheduler drives the shards
+
+
+# --- data-dependent control flow: a branch used on some ranks only ----------------------------
+
+
+class TwoBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 8)
+        self.branch = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h).pow(2).mean()
+
+
+def _unused_branch(stage: int) -> dict:
+    rank = dist.get_rank()
+    results = {}
+    for name in ("ddp", "zero"):
+        torch.manual_seed(0)
+        model = TwoBranch()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if name == "ddp":
+            runner = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        else:
+            # Small buckets: the branch's bucket is never filled on rank 1.
+            runner = hf_zero.initialize(model, optimizer, stage=stage, reduce_bucket_size=16)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = runner(x, use_branch=(rank == 0 or step == 1))
+            loss.backward()
+            optimizer.step() if name == "ddp" else runner.step()
+            optimizer.zero_grad()
+        results[name] = named_fp32(model)
+    return {"param": max_param_diff(results["zero"], results["ddp"])}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameters_unused_on_some_ranks_match_ddp(stage):
+    for r in run_distributed(_unused_branch, 2, args=(stage,)):
+        assert r["param"] <= FP32_TOL, r

@@ -10,6 +10,7 @@ LR scheduler attached to it keep working.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
@@ -98,6 +99,51 @@ def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
     return OPTIMIZER_TYPES[kind](params, **kwargs)
 
 
+def shard_optimizer_state(state: dict, groups: list[FlatParamGroup]) -> defaultdict:
+    """Re-key per-parameter optimizer state onto each group's flat master shard.
+
+    Tensors shaped like their parameter are laid out like the parameters (padding zero) and cut
+    to this rank's shard, in fp32; scalars (step counters) must agree across a bucket's members.
+    """
+    sharded: defaultdict = defaultdict(dict)
+    if not state:
+        return sharded
+    for group in groups:
+        entries = [state.get(p, {}) for p in group.params]
+        keys = set().union(*entries)
+        if keys and not all(set(e) == keys for e in entries):
+            raise ValueError(
+                f"hf_zero: optimizer state exists for only some parameters of bucket "
+                f"{group.index}; pass a freshly built optimizer or state for every parameter"
+            )
+        start, end = group.layout.shard_range(group.shard_index)
+        for key in keys:
+            values = [e[key] for e in entries]
+            first = values[0]
+            if torch.is_tensor(first) and all(
+                torch.is_tensor(v) and v.shape == p.shape for v, p in zip(values, group.params)
+            ):
+                flat = torch.zeros(group.layout.padded_numel, device=group.master.device)
+                for slot, v in zip(group.layout.slots, values):
+                    flat[slot.offset : slot.end].copy_(v.reshape(-1))
+                sharded[group.master][key] = flat[start:end].clone()
+            elif all(_same_scalar(v, first) for v in values):
+                sharded[group.master][key] = first.clone() if torch.is_tensor(first) else first
+            else:
+                raise ValueError(
+                    f"hf_zero: cannot shard optimizer state '{key}': it is neither shaped like "
+                    "its parameter nor the same scalar for every parameter"
+                )
+    return sharded
+
+
+def _same_scalar(value, reference) -> bool:
+    if torch.is_tensor(value) or torch.is_tensor(reference):
+        ok = torch.is_tensor(value) and torch.is_tensor(reference)
+        return ok and value.numel() == 1 and reference.numel() == 1 and bool(value == reference)
+    return value == reference
+
+
 class ShardedOptimizer:
     """Steps the user's optimizer on fp32 master shards: unscale, clip, step, gather back."""
 
@@ -119,12 +165,9 @@ class ShardedOptimizer:
         self.last_grad_norm_post_clip: float | None = None
         self._grads_prepared = False
         self._overflow = False
-        if optimizer.state:
-            # State keyed by the old parameters would be silently orphaned.
-            raise ValueError(
-                "hf_zero: the optimizer already has state; pass a freshly built optimizer and "
-                "restore state through engine.load_checkpoint()"
-            )
+        # Some optimizers (Adagrad) create state in __init__, and a user may have loaded state:
+        # re-key it onto the master shards rather than orphan it.
+        optimizer.state = shard_optimizer_state(optimizer.state, groups)
         for index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [g.master for g in groups if g.param_group_index == index]
 
