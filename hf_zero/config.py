@@ -87,6 +87,9 @@ class ZeroConfig:
     param_persistence_threshold: int | str = 100_000
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    check_execution_order: bool = True
+    """Stage 3: check at every module entry that all ranks run the same module (one tiny
+    all-gather each), so rank-dependent control flow raises instead of deadlocking."""
 
     # --- ZeRO++ and MixZ++ (issues 7, 8) -----------------------------------------------------
     quantized_weights: bool = False

@@ -22,6 +22,7 @@ from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
 from hf_zero.partition import bucket_params
 from hf_zero.precision import DTYPES, LossScaler, dtype_of
 from hf_zero.reducer import GradientReducer
+from hf_zero.stage3 import Unit, Zero3Coordinator, assign_params_to_units, find_units, gathered
 from hf_zero.topology import Topology, current_device
 
 
@@ -92,9 +93,22 @@ class ZeroEngine:
 
         self.groups = self._build_groups(optimizer)
         self._cast_other_params()
+        self.coordinator: Zero3Coordinator | None = None
+        if config.stage == 3:
+            self.coordinator = Zero3Coordinator(
+                self.units,
+                control=self.topology.dp_control,
+                prefetch_numel=config.prefetch_bucket_size,
+                max_live_numel=config.max_live_parameters,
+                check_execution_order=config.check_execution_order,
+            )
         self.loss_scaler = LossScaler.from_config(config)
         self.reducer = GradientReducer(
-            self.groups, config.stage, config.gradient_accumulation_steps, config.overlap_comm
+            self.groups,
+            config.stage,
+            config.gradient_accumulation_steps,
+            config.overlap_comm,
+            control=self.topology.dp_control,
         )
         self.reducer.on_backward_end = self._check_backward
         self.optimizer = ShardedOptimizer(
@@ -145,31 +159,67 @@ class ZeroEngine:
                 f"not be updated or synchronised (first: {left_out[:3]})",
                 stacklevel=3,
             )
-        # Gradients become ready roughly in reverse order of registration.
-        items = [
-            (group_of[id(p)], p) for p in reversed(ordered) if p.requires_grad and id(p) in group_of
-        ]
+        trainable = [p for p in ordered if p.requires_grad and id(p) in group_of]
         reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
-        groups = []
-        for index, (pg_index, params) in enumerate(
-            bucket_params(items, self.config.reduce_bucket_size)
-        ):
-            groups.append(
-                FlatParamGroup(
-                    index=index,
-                    param_group_index=pg_index,
-                    names=[names[id(p)] for p in params],
-                    params=params,
-                    stage=self.config.stage,
-                    dtype=self.dtype,
-                    reduce_dtype=reduce_dtype,
-                    shard_group=self.topology.dp,
-                    rank=self.topology.rank,
-                    comm=self.comm,
-                )
+
+        def make(pg_index: int | None, params: list, stage: int) -> FlatParamGroup:
+            group = FlatParamGroup(
+                index=0,
+                param_group_index=pg_index,
+                names=[names[id(p)] for p in params],
+                params=params,
+                stage=stage,
+                dtype=self.dtype,
+                reduce_dtype=reduce_dtype,
+                shard_group=self.topology.dp,
+                rank=self.topology.rank,
+                comm=self.comm,
             )
-        self._grouped = {id(p) for g in groups for p in g.params}
+            for p in params:
+                p._hf_zero_group = group  # found again by gathered_parameters()
+            return group
+
+        self.units: list[Unit] = []
+        self.frozen_groups: list[FlatParamGroup] = []
+        if self.config.stage == 3:
+            threshold = self.config.param_persistence_threshold
+            replicated = [p for p in trainable if p.numel() < threshold]
+            groups = self._build_units(ordered, group_of, threshold, make)
+        else:
+            replicated, groups = trainable, []
+        # Gradients become ready roughly in reverse order of registration.
+        items = [(group_of[id(p)], p) for p in reversed(replicated)]
+        stage = min(self.config.stage, 2)
+        groups += [make(pg, params, stage) for pg, params in bucket_params(items, self.bucket)]
+        # Reductions launch in the order buckets complete: when their earliest parameter is done.
+        position = {id(p): i for i, p in enumerate(ordered)}
+        groups.sort(key=lambda g: -min(position[id(p)] for p in g.params))
+        for index, group in enumerate(groups):
+            group.index = index
+        self._grouped = {id(p) for g in groups + self.frozen_groups for p in g.params}
         return groups
+
+    def _build_units(self, ordered, group_of, threshold, make) -> list[FlatParamGroup]:
+        """Stage 3: one sharded group per (unit, param group), plus one for frozen parameters."""
+        found = find_units(self.module)
+        owner = assign_params_to_units(self.module, [m for _, m in found])
+        self.units = [Unit(i, name, m, is_root=i == 0) for i, (name, m) in enumerate(found)]
+        members: dict[tuple[int, int | None], list] = {}
+        for p in ordered:
+            if p.numel() < threshold:
+                continue  # stays whole on every rank
+            pg = group_of.get(id(p)) if p.requires_grad else None
+            members.setdefault((owner[id(p)], pg), []).append(p)
+        groups = []
+        for (unit_index, pg), params in members.items():
+            group = make(pg, params, 3)
+            self.units[unit_index].groups.append(group)
+            (groups if pg is not None else self.frozen_groups).append(group)
+        return groups
+
+    @property
+    def bucket(self) -> int:
+        return self.config.reduce_bucket_size
 
     def _cast_other_params(self) -> None:
         """Cast parameters outside the buckets (frozen ones) to the compute dtype."""
@@ -292,7 +342,7 @@ class ZeroEngine:
         caches, so the figures can be checked against the ZeRO formulas.
         """
         report = {"params": 0, "grads": 0, "master_weights": 0, "optimizer_states": 0}
-        for group in self.groups:
+        for group in self.groups + self.frozen_groups:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
         for p in self.module.parameters():
@@ -307,34 +357,80 @@ class ZeroEngine:
     def full_state_dict(
         self, rank0_only: bool = True, master_weights: bool = False
     ) -> dict[str, torch.Tensor]:
-        """The model's complete state dict on CPU, for ``save_pretrained``.
+        """The model's complete state dict on CPU, for ``save_pretrained`` (collective).
 
-        ``master_weights=True`` replaces trainable parameters with their fp32 master values
-        (gathered across ranks: collective). With ``rank0_only`` other ranks get ``{}``.
+        Under stage 3 each group is gathered, copied out and released in turn, so device memory
+        grows by one group at a time. ``master_weights=True`` gives trainable parameters their
+        fp32 master values. With ``rank0_only`` other ranks get ``{}``.
         """
-        fp32 = {}
-        if master_weights:
-            for group in self.groups:
-                full = group.full_master()
-                for slot, p in zip(group.layout.slots, group.params):
-                    fp32[id(p)] = full[slot.offset : slot.end].view(slot.shape)
-        if rank0_only and self.topology.rank != 0:
+        keep = not rank0_only or self.topology.rank == 0
+        values: dict[int, torch.Tensor] = {}
+        for group in self.groups + self.frozen_groups:
+            full32 = group.full_master() if master_weights and group.trainable else None
+            with gathered([group]):
+                if keep:
+                    for slot, p in zip(group.layout.slots, group.params):
+                        source = p if full32 is None else full32[slot.offset : slot.end]
+                        values[id(p)] = source.detach().view(slot.shape).to("cpu", copy=True)
+        if not keep:
             return {}
-        by_storage = {}
-        for p in self.module.parameters():
-            if id(p) in fp32:
-                by_storage[p.data_ptr()] = fp32[id(p)]
+        names = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names[name] = p
         state = {}
-        for key, tensor in self.module.state_dict().items():
-            value = by_storage.get(tensor.data_ptr(), tensor)
-            state[key] = value.detach().to("cpu", copy=True)
+        for key, tensor in self.module.state_dict(keep_vars=True).items():
+            p = names.get(key)
+            if p is not None and id(p) in values:
+                state[key] = values[id(p)]
+            else:
+                state[key] = tensor.detach().to("cpu", copy=True)
         return state
+
+    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
+        """Context in which ``params`` (default: all) are whole; see `gathered_parameters`."""
+        return gathered_parameters(
+            self.module.parameters() if params is None else params, modifier_rank
+        )
+
+
+@contextlib.contextmanager
+def gathered_parameters(params, modifier_rank: int | None = None) -> Iterator[None]:
+    """Make parameters whole for the block: for inspection, surgery or custom initialisation.
+
+    Works for every stage (under stages 0-2 parameters are whole already). If
+    ``modifier_rank`` is given, that rank's values at the end of the block are broadcast to the
+    others and written back into the shards and the fp32 master weights, so the change survives
+    the next optimizer step. Without it, changes are discarded (stage 3) or left unsynchronised.
+    Collective: every rank must enter the block with the same parameters.
+    """
+    params = list(params)
+    groups = list(dict.fromkeys(g for p in params if (g := _group_of(p)) is not None))
+    with gathered(groups):
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for group in groups:
+                    _write_back(group, modifier_rank)
+
+
+def _group_of(param: torch.Tensor) -> FlatParamGroup | None:
+    return getattr(param, "_hf_zero_group", None)
+
+
+def _write_back(group: FlatParamGroup, src: int) -> None:
+    """Broadcast ``group``'s full parameters from global rank ``src``; refresh shards and master."""
+    flat = group.flat_param
+    group.comm.broadcast(flat, src, group.shard_group)
+    start, end = group.layout.shard_range(group.shard_index)
+    if group.shard is not None:
+        group.shard.copy_(flat[start:end])
+    if group.master is not None and not group.master_aliases_params:
+        group.master.data.copy_(flat[start:end].float())
 
 
 def _refuse_unfinished(config: ZeroConfig) -> None:
     """Features the config accepts but this version does not implement yet."""
     unfinished = {
-        "stage": (config.stage == 3, "ZeRO stage 3 (parameter sharding)"),
         "offload_optimizer": (config.offload_optimizer != "none", "ZeRO-Offload"),
         "quantized_gradients": (config.quantized_gradients, "ZeRO++ qgZ"),
         "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
@@ -344,5 +440,5 @@ def _refuse_unfinished(config: ZeroConfig) -> None:
         if requested:
             raise NotImplementedError(
                 f"hf_zero: '{key}' = {getattr(config, key)!r} asks for {what}, which this version "
-                "does not implement yet (see docs/STATUS.md); use stage 0, 1 or 2 without it"
+                "does not implement yet (see docs/STATUS.md); use the ZeRO stages without it"
             )

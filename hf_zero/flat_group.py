@@ -1,19 +1,25 @@
-"""`FlatParamGroup`: one bucket of parameters and everything it owns for ZeRO stages 0-2.
+"""`FlatParamGroup`: one bucket of parameters and everything it owns.
 
-A group lays its parameters end to end in one padded flat buffer (``flat_param``); each
-parameter's ``.data`` becomes a view into it, so the all-gather after the optimizer step writes
-straight into the model. The group also owns its gradient storage, its fp32 master-weight shard
-and the in-flight reduction, so the engine only has to say *when* to reduce or gather.
+A group lays its parameters end to end in one padded flat buffer, sharded evenly across the
+data-parallel group. It owns its gradient storage, its fp32 master-weight shard and its in-flight
+collectives, so the engine only has to say *when* to reduce, gather or release.
 
 What each stage keeps per rank (``N`` ranks, ``S = padded_numel / N``):
 
-=======  ===========================  =============================  =====================
-stage    gradients                    reduction                      master weights (fp32)
-=======  ===========================  =============================  =====================
-0        full ``flat_grad``           all-reduce at the boundary     whole buffer
-1        full ``flat_grad``           reduce-scatter at boundary     shard of ``S``
-2        fp32 shard of ``S`` only     reduce-scatter every backward  shard of ``S``
-=======  ===========================  =============================  =====================
+=====  =====================================  ===============================  ==============
+stage  parameters                             gradients and their reduction    master (fp32)
+=====  =====================================  ===============================  ==============
+0      full ``flat_param`` (params are views)  full ``flat_grad``, all-reduce   whole buffer
+1      full ``flat_param``                    full ``flat_grad``, reduce-       shard of ``S``
+                                              scatter at the boundary
+2      full ``flat_param``                    fp32 shard; reduce-scatter       shard of ``S``
+                                              every backward
+3      16-bit ``shard`` of ``S``; the full    as stage 2                       shard of ``S``
+       buffer exists only while gathered
+=====  =====================================  ===============================  ==============
+
+A stage-3 group may be frozen (``trainable=False``): it is sharded and gathered like any other
+but has no master weights and no gradients.
 """
 
 from __future__ import annotations
@@ -26,12 +32,12 @@ from hf_zero.topology import Group
 
 
 class FlatParamGroup:
-    """A bucket of same-dtype parameters from one optimizer param group."""
+    """A bucket of same-dtype parameters from one optimizer param group (or frozen ones)."""
 
     def __init__(
         self,
         index: int,
-        param_group_index: int,
+        param_group_index: int | None,
         names: list[str],
         params: list[torch.nn.Parameter],
         stage: int,
@@ -43,7 +49,9 @@ class FlatParamGroup:
     ) -> None:
         self.index = index
         self.param_group_index = param_group_index
+        self.trainable = param_group_index is not None
         self.params = params
+        self.names = names
         self.stage = stage
         self.dtype = dtype
         self.reduce_dtype = reduce_dtype
@@ -53,43 +61,103 @@ class FlatParamGroup:
         num_shards = shard_group.size if stage >= 1 else 1
         self.shard_index = shard_group.rank_of(rank) if stage >= 1 else 0
         self.layout = FlatLayout(names, [p.shape for p in params], num_shards)
-        device = params[0].device
+        self.device = params[0].device
 
         # fp32 master weights come from the parameters' original values, before any cast to
         # 16 bits, so mixed precision loses nothing at initialisation.
-        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         for slot, p in zip(self.layout.slots, params):
             full32[slot.offset : slot.end].copy_(p.detach().reshape(-1))
         start, end = self.layout.shard_range(self.shard_index)
-        self.flat_param = full32 if dtype == torch.float32 else full32.to(dtype)
-        # Stage 0 in fp32 steps the parameters in place: no separate copy is needed.
-        self.master_is_flat_param = stage == 0 and dtype == torch.float32
-        master = self.flat_param if self.master_is_flat_param else full32[start:end].clone()
-        self.master = torch.nn.Parameter(master, requires_grad=False)
+        fp32 = dtype == torch.float32
+        self.flat_param: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        if stage == 3:
+            self.shard = full32[start:end].to(dtype, copy=True)
+            owner = self.shard
+        else:
+            self.flat_param = full32 if fp32 else full32.to(dtype)
+            owner = self.flat_param
+        # In fp32, stage 0 steps the whole buffer and stage 3 steps its shard in place: the
+        # master weights *are* the parameters, no copy.
+        self.master_aliases_params = fp32 and stage in (0, 3)
+        self.master: torch.nn.Parameter | None = None
+        if self.trainable:
+            master = owner if self.master_aliases_params else full32[start:end].clone()
+            self.master = torch.nn.Parameter(master, requires_grad=False)
         del full32
-        self._views = []
-        for slot, p in zip(self.layout.slots, params):
-            view = self.flat_param[slot.offset : slot.end].view(slot.shape)
-            p.data = view
-            self._views.append(view)
+        self._gather_work = None
+        if stage == 3:
+            self._release_views()
+        else:
+            self._point_params_at(self.flat_param)
 
         # Stages 0-1 keep full gradients in one flat buffer, as views autograd accumulates into.
         self.flat_grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
         if stage < 2:
-            self.flat_grad = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+            self.flat_grad = self._new_zeros(self.layout.padded_numel, dtype)
             for slot, p in zip(self.layout.slots, params):
                 view = self.flat_grad[slot.offset : slot.end].view(slot.shape)
                 p.grad = view
                 self._grad_views.append(view)
 
         # Per-backward state.
+        self.received = False  # a gradient arrived since the last reduction
         self._ready = [False] * len(params)
         self.num_ready = 0
         self.launched = False
-        self._reduce_input: torch.Tensor | None = None  # stage 2: this backward's full gradients
+        self._reduce_input: torch.Tensor | None = None  # stage 2-3: this backward's gradients
         self._reduce_output: torch.Tensor | None = None
         self._work = None
+
+    @property
+    def numel(self) -> int:
+        return self.layout.padded_numel
+
+    # --- stage 3: gather and release ---------------------------------------------------------
+    @property
+    def is_gathered(self) -> bool:
+        return self.stage != 3 or self.flat_param is not None
+
+    def gather(self, async_op: bool = False) -> None:
+        """Start assembling the full parameters from every rank's shard (stage 3)."""
+        if self.flat_param is not None:
+            return
+        self.flat_param = torch.empty(
+            self.layout.padded_numel, dtype=self.dtype, device=self.device
+        )
+        self._gather_work = self.comm.all_gather(
+            self.flat_param, self.shard, self.shard_group, async_op=async_op
+        )
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        """Finish a gather started with ``async_op=True`` and point the parameters at it."""
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+        self._point_params_at(self.flat_param)
+
+    def release(self) -> None:
+        """Free the full parameters; only this rank's shard stays (stage 3)."""
+        if self.stage != 3 or self.flat_param is None:
+            return
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+        self.flat_param = None
+        self._release_views()
+
+    def _point_params_at(self, flat: torch.Tensor) -> None:
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = flat[slot.offset : slot.end].view(slot.shape)
+
+    def _release_views(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
 
     # --- backward ----------------------------------------------------------------------------
     @property
@@ -117,7 +185,8 @@ class FlatParamGroup:
                 self._reduce_input = self._new_zeros(self.layout.padded_numel, self.reduce_dtype)
             slot = self.layout.slots[i]
             self._reduce_input[slot.offset : slot.end].add_(p.grad.reshape(-1))
-            p.grad = None  # stage 2 never keeps a full gradient beyond its bucket
+            p.grad = None  # stages 2-3 never keep a full gradient beyond its bucket
+        self.received = True
         if not self._ready[i]:
             self._ready[i] = True
             self.num_ready += 1
@@ -140,25 +209,31 @@ class FlatParamGroup:
             self._reduce_output, self._reduce_input, group, async_op=async_op
         )
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduction and fold the averaged shard into ``master.grad`` (fp32)."""
+    def finish_reduce(self, received: bool = True) -> None:
+        """Wait for the reduction and fold the averaged shard into ``master.grad`` (fp32).
+
+        ``received=False`` (no rank had a gradient for this bucket) leaves ``master.grad`` as it
+        is, so a bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
+        """
         if self._work is not None:
             self._work.wait()
         world = self.shard_group.size
         reduced = self._reduce_output
-        if self.stage == 0 and self.master_is_flat_param:
+        if not received:
+            pass
+        elif self.stage == 0 and self.master_aliases_params:
             reduced.div_(world)
             self.master.grad = reduced
         else:
             grad = reduced.to(torch.float32).div_(world)
-            if self.stage == 2 and self.master.grad is not None:
+            if self.stage >= 2 and self.master.grad is not None:
                 self.master.grad.add_(grad)  # accumulate across micro-batches
             else:
                 self.master.grad = grad
         self._work = self._reduce_input = self._reduce_output = None
-        self._ready = [False] * len(self.params)
-        self.num_ready = 0
+        self.reset_backward()
         self.launched = False
+        self.received = False
 
     def reset_backward(self) -> None:
         """Forget readiness after a backward that did not reduce (stages 0-1 inside no_sync)."""
@@ -167,17 +242,22 @@ class FlatParamGroup:
 
     # --- after the optimizer step ------------------------------------------------------------
     def gather_params(self, async_op: bool):
-        """Write the updated master shard back into every rank's ``flat_param``."""
-        if self.master_is_flat_param:
+        """Bring the parameters up to date with the stepped master weights."""
+        if self.master_aliases_params:
             return None
+        updated = self.master.detach()
         if self.stage == 0:
-            self.flat_param.copy_(self.master.detach())
+            self.flat_param.copy_(updated)
             return None
-        shard = self.master.detach().to(self.dtype)
+        if self.stage == 3:
+            self.shard.copy_(updated)  # the next forward gathers it
+            return None
+        shard = updated.to(self.dtype)
         return self.comm.all_gather(self.flat_param, shard, self.shard_group, async_op=async_op)
 
     def zero_grad(self) -> None:
-        self.master.grad = None
+        if self.master is not None:
+            self.master.grad = None
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for p, view in zip(self.params, self._grad_views):
@@ -189,15 +269,16 @@ class FlatParamGroup:
     # --- inspection --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
         """Bytes this group holds now, by kind (parameters, gradients, master weights)."""
-        grads = 0
-        if self.flat_grad is not None:
-            grads += _nbytes(self.flat_grad)
-        if self.master.grad is not None and not self.master_is_flat_param:
-            grads += _nbytes(self.master.grad)
+        params = _nbytes(self.flat_param) + _nbytes(self.shard)
+        grads = _nbytes(self.flat_grad)
+        master = self.master
+        if master is not None and master.grad is not None and master.grad is not self.flat_grad:
+            grads += _nbytes(master.grad)
+        own_master = master is not None and not self.master_aliases_params
         return {
-            "params": _nbytes(self.flat_param),
+            "params": params,
             "grads": grads,
-            "master_weights": 0 if self.master_is_flat_param else _nbytes(self.master),
+            "master_weights": _nbytes(master) if own_master else 0,
         }
 
     def full_master(self) -> torch.Tensor:
@@ -205,15 +286,15 @@ class FlatParamGroup:
         if self.layout.num_shards == 1:
             return self.master.detach().float()
         full = self._new_zeros(self.layout.padded_numel, torch.float32)
-        self.comm.all_gather(full, self.master.detach(), self.shard_group)
+        self.comm.all_gather(full, self.master.detach().float(), self.shard_group)
         return full
 
     def _as_reduce_dtype(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
 
     def _new_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, device=self.flat_param.device)
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

@@ -85,23 +85,21 @@ def bucket_params(
 
     ``items`` should come in the order gradients become ready (reverse of the forward order).
     A bucket holds one key only (a key is an optimizer param group and dtype); a parameter larger
-    than ``bucket_numel`` gets a bucket of its own. Buckets are returned in the order their first
-    parameter appears, which is the order their reductions are launched in.
+    than ``bucket_numel`` gets a bucket of its own. Buckets are returned in the order they are
+    expected to complete (the position of their last parameter), which is the order their
+    reductions are launched in.
     """
-    open_buckets: dict[Hashable, tuple[int, list[object], int]] = {}
+    open_buckets: dict[Hashable, tuple[list[object], int]] = {}
     closed: list[tuple[int, Hashable, list[object]]] = []
+    last_position: dict[int, int] = {}
     for position, (key, param) in enumerate(items):
+        last_position[id(param)] = position
         numel = param.numel()
-        if key in open_buckets:
-            first, members, size = open_buckets[key]
-            if size + numel > bucket_numel:
-                closed.append((first, key, members))
-                del open_buckets[key]
-        if key not in open_buckets:
-            open_buckets[key] = (position, [], 0)
-        first, members, size = open_buckets[key]
+        if key in open_buckets and open_buckets[key][1] + numel > bucket_numel:
+            closed.append((key, open_buckets.pop(key)[0]))
+        members, size = open_buckets.get(key, ([], 0))
         members.append(param)
-        open_buckets[key] = (first, members, size + numel)
-    closed += [(first, key, members) for key, (first, members, _) in open_buckets.items()]
-    closed.sort(key=lambda bucket: bucket[0])
-    return [(key, members) for _, key, members in closed]
+        open_buckets[key] = (members, size + numel)
+    closed += [(key, members) for key, (members, _) in open_buckets.items()]
+    closed.sort(key=lambda bucket: last_position[id(bucket[1][-1])])
+    return closed

@@ -15,8 +15,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.topology import Group
 
 
 class GradientReducer:
@@ -26,8 +28,10 @@ class GradientReducer:
         stage: int,
         gradient_accumulation_steps: int,
         overlap_comm: bool,
+        control: Group,
     ) -> None:
         self.groups = groups
+        self.control = control
         self.stage = stage
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.overlap_comm = overlap_comm
@@ -79,8 +83,9 @@ class GradientReducer:
     def _finish_backward(self) -> None:
         if self._sync_this_backward:
             self._launch_in_order(only_ready=False)
-            for group in self.groups:
-                group.finish_reduce()
+            received = self._received_anywhere()
+            for group, got in zip(self.groups, received):
+                group.finish_reduce(received=got)
         else:
             for group in self.groups:
                 group.reset_backward()
@@ -89,6 +94,17 @@ class GradientReducer:
         self.micro_steps += 1
         if self.on_backward_end is not None:
             self.on_backward_end(self._sync_this_backward)
+
+    def _received_anywhere(self) -> list[bool]:
+        """Which buckets got a gradient on at least one rank since they were last reduced.
+
+        A bucket no rank touched keeps ``master.grad = None``, so the optimizer skips it, as
+        torch skips a parameter whose ``.grad`` is None (DDP with unused parameters).
+        """
+        flags = torch.tensor([g.received for g in self.groups], dtype=torch.uint8)
+        if self.control.size > 1 and len(flags):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control.pg)
+        return [bool(f) for f in flags]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

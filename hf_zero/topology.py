@@ -43,6 +43,9 @@ class Topology:
     tp: Group
     intra_node: Group
     inter_node: Group
+    dp_control: Group
+    """The data-parallel ranks on a CPU (gloo) group, for small control messages that must not
+    synchronise the device stream."""
 
     @property
     def dp_size(self) -> int:
@@ -80,24 +83,29 @@ class Topology:
                 f"zero config: 'node_size' = {node_size} must divide the world size {world}"
             )
 
-        def make(members_of: list[tuple[int, ...]]) -> Group:
+        def make(members_of: list[tuple[int, ...]], backend: str | None = None) -> Group:
             # new_group is collective over the world: every rank creates every group, in order.
             mine = None
             for ranks in members_of:
                 spans = len({r // node_size for r in ranks}) > 1
-                pg = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+                if len(ranks) == world and backend is None:
+                    pg = dist.group.WORLD
+                else:
+                    pg = dist.new_group(list(ranks), backend=backend)
                 if rank in ranks:
                     mine = Group(pg, ranks, spans)
             assert mine is not None
             return mine
 
         dp_size = world // tp_size
-        dp = make([tuple(d * tp_size + t for d in range(dp_size)) for t in range(tp_size)])
+        dp_members = [tuple(d * tp_size + t for d in range(dp_size)) for t in range(tp_size)]
+        dp = make(dp_members)
         tp = make([tuple(d * tp_size + t for t in range(tp_size)) for d in range(dp_size)])
         num_nodes = world // node_size
         intra = make([tuple(n * node_size + i for i in range(node_size)) for n in range(num_nodes)])
         inter = make([tuple(n * node_size + i for n in range(num_nodes)) for i in range(node_size)])
-        return cls(world, rank, tp_size, node_size, dp, tp, intra, inter)
+        control = dp if dist.get_backend() == "gloo" else make(dp_members, backend="gloo")
+        return cls(world, rank, tp_size, node_size, dp, tp, intra, inter, control)
 
 
 def current_device() -> torch.device:

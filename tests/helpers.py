@@ -29,9 +29,11 @@ FROZEN = "model.layers.0.input_layernorm.weight"
 SEQ, BATCH = 16, 2
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
     model = tiny_llama(seed, **MODEL)
     model.get_parameter(FROZEN).requires_grad_(False)
+    if checkpointing:
+        model.activation_checkpointing_enable()
     return model
 
 
@@ -50,7 +52,9 @@ def batch(rank: int, step: int, micro: int, vocab: int = MODEL["vocab_size"]) ->
 
 
 def named_fp32(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    """Every parameter, whole, in fp32 on CPU (gathered first under ZeRO-3)."""
+    with hf_zero.gathered_parameters(model.parameters()):
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def adamw(groups: list[dict]) -> torch.optim.Optimizer:
@@ -66,13 +70,14 @@ def train_ddp(
     make_optimizer=adamw,
     make_scheduler=None,
     norms: list | None = None,
+    checkpointing: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: torch DDP, with fp32 master weights kept by hand for 16-bit precisions.
 
     ``norms`` collects the pre-clip global gradient norm of each step.
     """
     rank = dist.get_rank()
-    model = build_model(seed)
+    model = build_model(seed, checkpointing)
     master = build_model(seed) if precision != "fp32" else model
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     for p in model.parameters():  # buffers (rotary inv_freq) stay fp32, as in HF bf16 models
@@ -110,11 +115,18 @@ def train_ddp(
 
 
 def train_zero(
-    steps: int, gas: int, clip: float, stage: int, precision: str = "fp32", seed: int = 0, **cfg
+    steps: int,
+    gas: int,
+    clip: float,
+    stage: int,
+    precision: str = "fp32",
+    seed: int = 0,
+    checkpointing: bool = False,
+    **cfg,
 ):
     """The same run through hf_zero; returns (losses, parameters, engine)."""
     rank = dist.get_rank()
-    model = build_model(seed)
+    model = build_model(seed, checkpointing)
     engine = hf_zero.initialize(
         model,
         torch.optim.AdamW(two_param_groups(model)),

@@ -60,8 +60,8 @@ def test_missing_optimizer_and_unfinished_features(single_rank):
     with pytest.raises(ValueError, match="pass an optimizer"):
         hf_zero.initialize(model, None, stage=2)
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(NotImplementedError, match="'stage' = 3 asks for ZeRO stage 3"):
-        hf_zero.initialize(model, opt, stage=3)
+    with pytest.raises(NotImplementedError, match="'tp_size' = 2 asks for AutoTP"):
+        hf_zero.initialize(model, opt, stage=2, tp_size=2)
     with pytest.raises(NotImplementedError, match="'offload_optimizer' = 'cpu'"):
         hf_zero.initialize(model, opt, stage=2, offload_optimizer="cpu")
 

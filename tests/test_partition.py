@@ -30,7 +30,7 @@ def test_buckets_respect_size_key_and_order():
     buckets = bucket_params(list(zip(keys, params)), bucket_numel=60)
     sizes = [(key, [p.numel() for p in members]) for key, members in buckets]
     # key 0: [30] then 50 would overflow -> [50], 200 alone (larger than a bucket), [10]
-    # key 1: [30, 10]; buckets ordered by the position of their first parameter
-    assert sizes == [(0, [30]), (1, [30, 10]), (0, [50]), (0, [200]), (0, [10])]
+    # key 1: [30, 10]; buckets ordered by the position of their last parameter (completion)
+    assert sizes == [(0, [30]), (0, [50]), (0, [200]), (1, [30, 10]), (0, [10])]
     flat = [id(p) for _, members in buckets for p in members]
     assert sorted(flat) == sorted(id(p) for p in params)

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from hf_zero.topology import Group
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.6.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Collectives:
             output.copy_(input)
             return None
         self.stats.record("reduce_scatter", _nbytes(input), group.spans_nodes)
-        return _reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
+        return reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -98,7 +98,7 @@ class Collectives:
             output.copy_(input)
             return None
         self.stats.record("all_gather", _nbytes(output), group.spans_nodes)
-        return _all_gather_single(output, input, group=group.pg, async_op=async_op)
+        return all_gather_single(output, input, group=group.pg, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from global rank ``src``."""

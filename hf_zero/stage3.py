@@ -1,0 +1,353 @@
+"""ZeRO stage 3: parameters sharded, gathered just in time by hooks on the user's own modules.
+
+The model is cut into **units**: every instance of a class named in the model's
+``_no_split_modules`` (Hugging Face decoder layers), plus the root module, which owns whatever no
+deeper unit owns (embeddings, final norm, head). A unit's parameters live in one
+`FlatParamGroup` per optimizer param group (and one for its frozen parameters); gathering a unit
+all-gathers those groups, releasing it drops the full buffers. Parameters smaller than
+``param_persistence_threshold`` are not sharded at all: they stay whole on every rank and go
+through the stage-2 path (sharded gradients and optimizer state).
+
+Life of a unit in one training step:
+
+* forward pre-hook: gather (or wait for a prefetch), then prefetch the next units of the traced
+  execution order; the unit's inputs get a `_PostBackward` marker.
+* forward post-hook: release, unless the unit runs again next, or it is the root (its
+  parameters are used again at the start of backward); the outputs get a `_PreBackward` marker.
+* backward, when gradients reach the outputs: gather again, prefetch the next units of the
+  traced backward order. Activation-checkpoint recomputation runs here, with the unit gathered.
+* gradients: the post-accumulate-grad hooks of `GradientReducer` reduce-scatter each group as it
+  completes, exactly as in stage 2.
+* backward, when gradients reach the inputs: release. What is still gathered when backward ends
+  is released by a final callback.
+
+The first step records the order units run in; ranks compare the traces and, if they agree,
+later steps prefetch along them. Every unit entry is also checked across ranks with a tiny
+all-gather of the unit's index (``check_execution_order``), so a forward that takes different
+paths on different ranks raises a clear error instead of deadlocking in mismatched collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+
+from hf_zero.comm.collectives import all_gather_single
+from hf_zero.flat_group import FlatParamGroup
+from hf_zero.topology import Group
+
+logger = logging.getLogger(__name__)
+
+
+class Unit:
+    """A module whose (non-persistent) parameters are gathered and released together."""
+
+    def __init__(self, index: int, name: str, module: torch.nn.Module, is_root: bool) -> None:
+        self.index = index
+        self.name = name or "<root>"
+        self.module = module
+        self.is_root = is_root
+        self.groups: list[FlatParamGroup] = []
+        self.backward_users = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def is_gathered(self) -> bool:
+        return all(g.flat_param is not None for g in self.groups)
+
+
+def find_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The root plus every instance of a class listed in a ``_no_split_modules`` of the model.
+
+    Models without that attribute get one unit per direct child that holds parameters.
+    """
+    class_names: set[str] = set()
+    for module in model.modules():
+        class_names |= set(getattr(module, "_no_split_modules", None) or [])
+    units = [("", model)]
+    if class_names:
+        units += [
+            (name, m)
+            for name, m in model.named_modules()
+            if m is not model and type(m).__name__ in class_names
+        ]
+    else:
+        units += [
+            (name, m)
+            for name, m in model.named_children()
+            if next(m.parameters(), None) is not None
+        ]
+    return units
+
+
+def assign_params_to_units(
+    model: torch.nn.Module, unit_modules: list[torch.nn.Module]
+) -> dict[int, int]:
+    """Map ``id(param)`` to the index of the innermost unit owning it.
+
+    A parameter used under two different units (weights tied across layers) goes to the root,
+    which stays gathered for the whole forward.
+    """
+    index_of = {id(m): i for i, m in enumerate(unit_modules)}
+    owner: dict[int, int] = {}
+
+    def visit(module: torch.nn.Module, unit: int) -> None:
+        unit = index_of.get(id(module), unit)
+        for p in module.parameters(recurse=False):
+            owner[id(p)] = unit if owner.get(id(p), unit) == unit else 0
+        for child in module.children():
+            visit(child, unit)
+
+    visit(model, 0)
+    return owner
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward runs before the unit's own backward."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+class _PostBackward(_PreBackward):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
+
+
+def _mark(fn: type[_PreBackward], hook: Callable[[], None], obj):
+    """Route every tensor in ``obj`` that requires grad through ``fn``; None if there is none."""
+    leaves, spec = pytree.tree_flatten(obj)
+    where = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
+    if not where:
+        return None
+    marked = fn.apply(hook, *(leaves[i] for i in where))
+    for i, t in zip(where, marked):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Zero3Coordinator:
+    """Drives gather, prefetch and release of the units from module and autograd hooks."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        control: Group,
+        prefetch_numel: int,
+        max_live_numel: int,
+        check_execution_order: bool,
+    ) -> None:
+        self.units = units
+        self.control = control
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.check_execution_order = check_execution_order
+        self.forward_trace: list[int] | None = None
+        self.backward_trace: list[int] | None = None
+        self._recording: tuple[list[int], list[int]] | None = ([], [])
+        self._fwd_cursor = 0
+        self._bwd_cursor = 0
+        self._backward_started = False
+        self._handles = []
+        for unit in units:
+            if unit.groups:
+                self._install(unit)
+
+    def _install(self, unit: Unit) -> None:
+        module = unit.module
+        self._handles.append(
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs),
+                with_kwargs=True,
+                prepend=True,
+            )
+        )
+        self._handles.append(
+            module.register_forward_hook(
+                lambda m, args, output, u=unit: self._post_forward(u, output)
+            )
+        )
+
+    # --- forward -----------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit, args, kwargs):
+        if unit.is_root and not _in_backward():
+            self._fwd_cursor = 0
+        self._check("enter", unit.index)
+        if self._recording is not None and torch.is_grad_enabled() and not _in_backward():
+            self._recording[0].append(unit.index)
+        self._gather(unit)
+        if not _in_backward():
+            self._prefetch(self.forward_trace, "_fwd_cursor", unit)
+        if torch.is_grad_enabled():
+            marked = _mark(_PostBackward, lambda: self._post_backward(unit), (args, kwargs))
+            if marked is not None:
+                return marked
+        return None
+
+    def _post_forward(self, unit: Unit, output):
+        needs_backward = torch.is_grad_enabled() and any(
+            torch.is_tensor(x) and x.requires_grad for x in pytree.tree_leaves(output)
+        )
+        if unit.is_root:
+            if not _in_backward():
+                self._check("forward end", -1)
+            if not needs_backward:
+                self.release_all()
+        elif not _in_backward() and not self._runs_next(unit):
+            unit_release(unit)
+        if needs_backward:
+            return _mark(_PreBackward, lambda: self._pre_backward(unit), output)
+        return None
+
+    def _runs_next(self, unit: Unit) -> bool:
+        trace = self.forward_trace
+        return (
+            trace is not None
+            and self._fwd_cursor < len(trace)
+            and (trace[self._fwd_cursor] == unit.index)
+        )
+
+    # --- backward ----------------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit) -> None:
+        if not self._backward_started:
+            self._backward_started = True
+            self._bwd_cursor = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._check("backward", unit.index)
+        if self._recording is not None:
+            self._recording[1].append(unit.index)
+        unit.backward_users += 1
+        self._gather(unit)
+        self._prefetch(self.backward_trace, "_bwd_cursor", unit)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.backward_users = max(0, unit.backward_users - 1)
+        if unit.backward_users == 0 and not unit.is_root:
+            unit_release(unit)
+
+    def _end_of_backward(self) -> None:
+        self._backward_started = False
+        self.release_all()
+        if self._recording is not None:
+            forward, backward = self._recording
+            self._recording = None
+            self._adopt_traces(forward, backward)
+
+    # --- gather, prefetch, release -----------------------------------------------------------
+    def _gather(self, unit: Unit) -> None:
+        for group in unit.groups:
+            group.gather(async_op=True)
+        for group in unit.groups:
+            group.wait_gather()
+
+    def _prefetch(self, trace: list[int] | None, cursor_name: str, unit: Unit) -> None:
+        """Start gathering the units that follow ``unit`` in ``trace``, within the budgets."""
+        if trace is None:
+            return
+        cursor = getattr(self, cursor_name)
+        if cursor >= len(trace) or trace[cursor] != unit.index:
+            return  # off the traced path: no prefetch this time
+        cursor += 1
+        setattr(self, cursor_name, cursor)
+        live = sum(u.numel for u in self.units if u.is_gathered)
+        budget = self.prefetch_numel
+        for index in trace[cursor:]:
+            nxt = self.units[index]
+            if nxt.is_gathered or any(g.flat_param is not None for g in nxt.groups):
+                continue
+            if budget <= 0 or live + nxt.numel > self.max_live_numel:
+                break
+            for group in nxt.groups:
+                group.gather(async_op=True)
+            budget -= nxt.numel
+            live += nxt.numel
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.backward_users = 0
+            unit_release(unit)
+
+    # --- traces and order checks -------------------------------------------------------------
+    def _adopt_traces(self, forward: list[int], backward: list[int]) -> None:
+        """Prefetch along the first step's order, if every rank saw the same one."""
+        mine = torch.tensor([hash((tuple(forward), tuple(backward)))], dtype=torch.int64)
+        everyone = torch.zeros(self.control.size, dtype=torch.int64)
+        if self.control.size > 1:
+            all_gather_single(everyone, mine, group=self.control.pg)
+        else:
+            everyone = mine
+        if bool((everyone == mine).all()):
+            self.forward_trace, self.backward_trace = forward, backward
+        else:
+            logger.warning(
+                "hf_zero: ranks ran units in different orders in the first step; "
+                "ZeRO-3 prefetch is disabled"
+            )
+
+    def _check(self, event: str, index: int) -> None:
+        """Raise on every rank if the ranks are not all at the same unit (collective)."""
+        if not self.check_execution_order or self.control.size == 1:
+            return
+        code = index if event != "backward" else -2 - index
+        mine = torch.tensor([code], dtype=torch.int64)
+        everyone = torch.zeros(self.control.size, dtype=torch.int64)
+        all_gather_single(everyone, mine, group=self.control.pg)
+        if bool((everyone == code).all()):
+            return
+        seen = [self._describe(int(c)) for c in everyone]
+        raise RuntimeError(
+            "hf_zero ZeRO-3: ranks took different paths through the model ("
+            + "; ".join(f"rank {r}: {s}" for r, s in zip(self.control.ranks, seen))
+            + "). Every rank must run the same modules in the same order, because each one "
+            "gathers its parameters with a collective. Make control flow independent of the "
+            "rank's data, or use stage 0-2 for this model."
+        )
+
+    def _describe(self, code: int) -> str:
+        if code == -1:
+            return "finished the forward"
+        if code <= -2:
+            return f"backward of {self.units[-2 - code].name}"
+        return f"forward of {self.units[code].name}"
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def unit_release(unit: Unit) -> None:
+    for group in unit.groups:
+        group.release()
+
+
+@contextlib.contextmanager
+def gathered(groups: Iterable[FlatParamGroup]) -> Iterator[None]:
+    """Gather stage-3 groups for the duration of the block; release those it gathered."""
+    mine = [g for g in groups if g.stage == 3 and g.flat_param is None]
+    for g in mine:
+        g.gather(async_op=True)
+    for g in mine:
+        g.wait_gather()
+    try:
+        yield
+    finally:
+        for g in mine:
+            g.release()
