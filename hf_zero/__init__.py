@@ -2,6 +2,7 @@
 
 from hf_zero.config import ZeroConfig
 from hf_zero.engine import ZeroEngine, gathered_parameters, initialize
+from hf_zero.partitioned_init import load_partitioned, partitioned_init
 from hf_zero.topology import Topology, current_device, init_distributed
 
 __version__ = "0.1.0"
@@ -15,4 +16,6 @@ __all__ = [
     "gathered_parameters",
     "init_distributed",
     "initialize",
+    "load_partitioned",
+    "partitioned_init",
 ]

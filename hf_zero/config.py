@@ -33,6 +33,19 @@ STAGES = (0, 1, 2, 3)
 COMM_DTYPES = (None, "fp32", "bf16", "fp16")
 
 
+# What "auto" becomes when neither the model nor the training arguments say (DeepSpeed defaults).
+AUTO_FALLBACKS = {
+    "reduce_bucket_size": 50_000_000,
+    "allgather_bucket_size": 50_000_000,
+    "prefetch_bucket_size": 50_000_000,
+    "param_persistence_threshold": 100_000,
+    "gradient_accumulation_steps": 1,
+    "train_micro_batch_size_per_gpu": None,
+    "gradient_clipping": 0.0,
+    "precision": "fp32",
+}
+
+
 @dataclasses.dataclass
 class ZeroConfig:
     """All hf_zero settings. Sizes are in elements, as in DeepSpeed.
@@ -83,8 +96,10 @@ class ZeroConfig:
     offload_param: str = "none"
 
     # --- ZeRO-3 knobs (issue 3) --------------------------------------------------------------
-    prefetch_bucket_size: int | str = 50_000_000
-    param_persistence_threshold: int | str = 100_000
+    prefetch_bucket_size: int | str = AUTO
+    """Stage 3: elements gathered ahead of use along the traced order ("auto": 0.9 h^2)."""
+    param_persistence_threshold: int | str = AUTO
+    """Stage 3: parameters with fewer elements stay whole on every rank ("auto": 10 h)."""
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
     check_execution_order: bool = True
@@ -153,7 +168,6 @@ class ZeroConfig:
         batch sizes from the training arguments. Fields still ``"auto"`` for lack of information
         fall back to the dataclass defaults.
         """
-        defaults = ZeroConfig.__dataclass_fields__
         h2 = hidden_size * hidden_size if hidden_size else None
         derived = {
             "reduce_bucket_size": h2,
@@ -167,7 +181,7 @@ class ZeroConfig:
         }
         for name, value in derived.items():
             if getattr(self, name) == AUTO:
-                setattr(self, name, value if value is not None else defaults[name].default)
+                setattr(self, name, value if value is not None else AUTO_FALLBACKS[name])
         if self.train_batch_size == AUTO:
             mb, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
             ok = isinstance(mb, int) and isinstance(gas, int) and world_size

@@ -20,6 +20,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
 from hf_zero.partition import bucket_params
+from hf_zero.partitioned_init import unshard
 from hf_zero.precision import DTYPES, LossScaler, dtype_of
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Unit, Zero3Coordinator, assign_params_to_units, find_units, gathered
@@ -183,9 +184,11 @@ class ZeroEngine:
         self.frozen_groups: list[FlatParamGroup] = []
         if self.config.stage == 3:
             threshold = self.config.param_persistence_threshold
-            replicated = [p for p in trainable if p.numel() < threshold]
+            replicated = [p for p in trainable if _numel(p) < threshold]
             groups = self._build_units(ordered, group_of, threshold, make)
         else:
+            for module in self.module.modules():
+                unshard(module)  # partitioned_init models are whole under stages 0-2
             replicated, groups = trainable, []
         # Gradients become ready roughly in reverse order of registration.
         items = [(group_of[id(p)], p) for p in reversed(replicated)]
@@ -204,17 +207,19 @@ class ZeroEngine:
         found = find_units(self.module)
         owner = assign_params_to_units(self.module, [m for _, m in found])
         self.units = [Unit(i, name, m, is_root=i == 0) for i, (name, m) in enumerate(found)]
-        members: dict[tuple[int, int | None], list] = {}
+        members: dict[int, dict[int | None, list]] = {}
         for p in ordered:
-            if p.numel() < threshold:
+            if _numel(p) < threshold:
                 continue  # stays whole on every rank
             pg = group_of.get(id(p)) if p.requires_grad else None
-            members.setdefault((owner[id(p)], pg), []).append(p)
+            members.setdefault(owner[id(p)], {}).setdefault(pg, []).append(p)
         groups = []
-        for (unit_index, pg), params in members.items():
-            group = make(pg, params, 3)
-            self.units[unit_index].groups.append(group)
-            (groups if pg is not None else self.frozen_groups).append(group)
+        for unit in self.units:
+            unshard(unit.module)  # a partitioned_init unit is whole only while it is regrouped
+            for pg, params in members.get(unit.index, {}).items():
+                group = make(pg, params, 3)
+                unit.groups.append(group)
+                (groups if pg is not None else self.frozen_groups).append(group)
         return groups
 
     @property
@@ -411,6 +416,12 @@ def gathered_parameters(params, modifier_rank: int | None = None) -> Iterator[No
             with torch.no_grad():
                 for group in groups:
                     _write_back(group, modifier_rank)
+
+
+def _numel(param: torch.Tensor) -> int:
+    """Elements of a parameter, including one `partitioned_init` left as a slice."""
+    slot = getattr(param, "_hf_zero_slot", None)
+    return slot[1].numel if slot is not None else param.numel()
 
 
 def _group_of(param: torch.Tensor) -> FlatParamGroup | None:

@@ -165,6 +165,9 @@ class Zero3Coordinator:
         self._fwd_cursor = 0
         self._bwd_cursor = 0
         self._backward_started = False
+        self._prefetched: set[int] = set()
+        self.stats = {"prefetch_hits": 0, "on_demand_gathers": 0}
+        """How often a unit found its parameters already on the way (prefetched) or not."""
         self._handles = []
         for unit in units:
             if unit.groups:
@@ -252,6 +255,11 @@ class Zero3Coordinator:
 
     # --- gather, prefetch, release -----------------------------------------------------------
     def _gather(self, unit: Unit) -> None:
+        if unit.index in self._prefetched:
+            self._prefetched.discard(unit.index)
+            self.stats["prefetch_hits"] += 1
+        elif not unit.is_gathered:
+            self.stats["on_demand_gathers"] += 1
         for group in unit.groups:
             group.gather(async_op=True)
         for group in unit.groups:
@@ -276,10 +284,12 @@ class Zero3Coordinator:
                 break
             for group in nxt.groups:
                 group.gather(async_op=True)
+            self._prefetched.add(index)
             budget -= nxt.numel
             live += nxt.numel
 
     def release_all(self) -> None:
+        self._prefetched.clear()
         for unit in self.units:
             unit.backward_users = 0
             unit_release(unit)

@@ -285,3 +285,40 @@ def test_gathered_parameters_and_full_state_dict():
     assert rank1["keys"] == 0
     assert rank0["state_row"] and rank0["master_row"]
     assert rank0["logits_equal"] and rank0["tied"]
+
+
+# --- prefetch along the traced order ------------------------------------------------------------
+
+
+def _prefetch(max_live: int) -> list[dict]:
+    model = build_model()
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(two_param_groups(model)),
+        stage=3,
+        max_live_parameters=max_live,
+        **ZERO3,
+    )
+    per_step = []
+    for step in range(3):
+        before = dict(engine.coordinator.stats)
+        x = batch(dist.get_rank(), step, 0)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        per_step.append({k: v - before[k] for k, v in engine.coordinator.stats.items()})
+    return per_step
+
+
+def test_prefetch_follows_the_first_steps_trace():
+    for steps in run_distributed(_prefetch, 2, args=(10**9,)):
+        # Step 1 records the order: everything is gathered on demand.
+        assert steps[0] == {"prefetch_hits": 0, "on_demand_gathers": 5}
+        # Later steps: both decoder layers arrive by prefetch in forward and in backward; only
+        # the root (first in forward, still gathered at the start of backward) is on demand.
+        for later in steps[1:]:
+            assert later == {"prefetch_hits": 4, "on_demand_gathers": 1}, later
+
+
+def test_max_live_parameters_limits_prefetch():
+    for steps in run_distributed(_prefetch, 2, args=(1,)):
+        assert all(s["prefetch_hits"] == 0 for s in steps)
