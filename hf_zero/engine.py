@@ -175,6 +175,7 @@ class ZeroEngine:
                 shard_group=self.topology.dp,
                 rank=self.topology.rank,
                 comm=self.comm,
+                offload=pg_index is not None and self.config.offload_optimizer == "cpu",
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()
@@ -344,9 +345,13 @@ class ZeroEngine:
         """Bytes this rank holds now, by kind: params, grads, master_weights, optimizer_states.
 
         Counts the tensors themselves (flat buffers, shards, optimizer state), not allocator
-        caches, so the figures can be checked against the ZeRO formulas.
+        caches, so the figures can be checked against the ZeRO formulas. ``host_grads``,
+        ``host_master_weights`` and ``host_optimizer_states`` are what ZeRO-Offload keeps in CPU
+        memory instead; ``total`` sums the device kinds, ``host_total`` the host ones.
         """
-        report = {"params": 0, "grads": 0, "master_weights": 0, "optimizer_states": 0}
+        device_kinds = ("params", "grads", "master_weights", "optimizer_states")
+        report = dict.fromkeys(device_kinds, 0)
+        report.update(dict.fromkeys(("host_" + k for k in device_kinds[1:]), 0))
         for group in self.groups + self.frozen_groups:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
@@ -355,8 +360,10 @@ class ZeroEngine:
                 report["params"] += p.numel() * p.element_size()
                 if p.grad is not None:
                     report["grads"] += p.grad.numel() * p.grad.element_size()
-        report["optimizer_states"] = self.optimizer.state_bytes()
-        report["total"] = sum(report.values())
+        where = "host_optimizer_states" if self.optimizer.offload else "optimizer_states"
+        report[where] = self.optimizer.state_bytes()
+        report["total"] = sum(report[k] for k in device_kinds)
+        report["host_total"] = sum(v for k, v in report.items() if k.startswith("host_"))
         return report
 
     def full_state_dict(
@@ -442,7 +449,6 @@ def _write_back(group: FlatParamGroup, src: int) -> None:
 def _refuse_unfinished(config: ZeroConfig) -> None:
     """Features the config accepts but this version does not implement yet."""
     unfinished = {
-        "offload_optimizer": (config.offload_optimizer != "none", "ZeRO-Offload"),
         "quantized_gradients": (config.quantized_gradients, "ZeRO++ qgZ"),
         "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
         "tp_size": (config.tp_size > 1, "AutoTP tensor parallelism"),

@@ -20,6 +20,12 @@ stage  parameters                             gradients and their reduction    m
 
 A stage-3 group may be frozen (``trainable=False``): it is sharded and gathered like any other
 but has no master weights and no gradients.
+
+With ``offload=True`` (ZeRO-Offload, stages 1-3) the master shard, its gradient and so the
+optimizer state live in host memory: each reduced gradient shard is copied device-to-host, the
+optimizer steps on the host, and the updated values are copied host-to-device before the usual
+gather. On CUDA the host buffers are pinned and the copies are asynchronous; on a CPU-only machine
+the same code path runs with separate host tensors and the same copies.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ class FlatParamGroup:
         shard_group: Group,
         rank: int,
         comm: Collectives,
+        offload: bool = False,
     ) -> None:
         self.index = index
+        self.offload = offload
+        self.host = torch.device("cpu")
         self.param_group_index = param_group_index
         self.trainable = param_group_index is not None
         self.params = params
@@ -80,11 +89,19 @@ class FlatParamGroup:
             owner = self.flat_param
         # In fp32, stage 0 steps the whole buffer and stage 3 steps its shard in place: the
         # master weights *are* the parameters, no copy.
-        self.master_aliases_params = fp32 and stage in (0, 3)
+        self.master_aliases_params = fp32 and stage in (0, 3) and not offload
         self.master: torch.nn.Parameter | None = None
         if self.trainable:
-            master = owner if self.master_aliases_params else full32[start:end].clone()
+            if self.master_aliases_params:
+                master = owner
+            elif offload:
+                master = self._host_empty(self.layout.shard_numel).copy_(full32[start:end])
+            else:
+                master = full32[start:end].clone()
             self.master = torch.nn.Parameter(master, requires_grad=False)
+        self._pending_host_grad: tuple[torch.Tensor, object] | None = None
+        self._staging: torch.Tensor | None = None  # offload: device copy of the updated shard
+        self._staged = False
         del full32
         self._gather_work = None
         if stage == 3:
@@ -221,6 +238,15 @@ class FlatParamGroup:
         reduced = self._reduce_output
         if not received:
             pass
+        elif self.offload:
+            self.fold_host_grad()  # the previous micro-batch's copy, if still pending
+            host = self._host_empty(reduced.numel())
+            host.copy_(reduced, non_blocking=True)
+            done = None
+            if reduced.is_cuda:
+                done = torch.cuda.Event()
+                done.record()
+            self._pending_host_grad = (host, done)
         elif self.stage == 0 and self.master_aliases_params:
             reduced.div_(world)
             self.master.grad = reduced
@@ -235,6 +261,20 @@ class FlatParamGroup:
         self.launched = False
         self.received = False
 
+    def fold_host_grad(self) -> None:
+        """Offload: once a device-to-host gradient copy has landed, average and accumulate it."""
+        if self._pending_host_grad is None:
+            return
+        host, done = self._pending_host_grad
+        self._pending_host_grad = None
+        if done is not None:
+            done.synchronize()
+        grad = host.div_(self.shard_group.size)
+        if self.master.grad is None:
+            self.master.grad = grad
+        else:
+            self.master.grad.add_(grad)
+
     def reset_backward(self) -> None:
         """Forget readiness after a backward that did not reduce (stages 0-1 inside no_sync)."""
         self._ready = [False] * len(self.params)
@@ -246,6 +286,15 @@ class FlatParamGroup:
         if self.master_aliases_params:
             return None
         updated = self.master.detach()
+        if self.offload:
+            if not self._staged:
+                self.stage_tile(0, updated.numel())
+            self._staged = False
+            if self.stage == 3:
+                return None  # stage_tile wrote the device shard itself
+            return self.comm.all_gather(
+                self.flat_param, self._staging, self.shard_group, async_op=async_op
+            )
         if self.stage == 0:
             self.flat_param.copy_(updated)
             return None
@@ -255,7 +304,21 @@ class FlatParamGroup:
         shard = updated.to(self.dtype)
         return self.comm.all_gather(self.flat_param, shard, self.shard_group, async_op=async_op)
 
+    def stage_tile(self, start: int, end: int) -> None:
+        """Offload: start copying updated master elements ``[start, end)`` to the device."""
+        if self.stage == 3:
+            target = self.shard
+        else:
+            if self._staging is None:
+                self._staging = torch.empty(
+                    self.layout.shard_numel, dtype=self.dtype, device=self.device
+                )
+            target = self._staging
+        target[start:end].copy_(self.master.detach()[start:end], non_blocking=True)
+        self._staged = True
+
     def zero_grad(self) -> None:
+        self._pending_host_grad = None
         if self.master is not None:
             self.master.grad = None
         if self.flat_grad is not None:
@@ -268,26 +331,38 @@ class FlatParamGroup:
 
     # --- inspection --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
-        """Bytes this group holds now, by kind (parameters, gradients, master weights)."""
-        params = _nbytes(self.flat_param) + _nbytes(self.shard)
+        """Bytes this group holds now, by kind; ``host_*`` kinds are in host memory (offload)."""
+        params = _nbytes(self.flat_param) + _nbytes(self.shard) + _nbytes(self._staging)
         grads = _nbytes(self.flat_grad)
         master = self.master
+        master_grad = 0
         if master is not None and master.grad is not None and master.grad is not self.flat_grad:
-            grads += _nbytes(master.grad)
+            master_grad = _nbytes(master.grad)
+        if self._pending_host_grad is not None:
+            master_grad += _nbytes(self._pending_host_grad[0])
         own_master = master is not None and not self.master_aliases_params
-        return {
-            "params": params,
-            "grads": grads,
-            "master_weights": _nbytes(master) if own_master else 0,
-        }
+        master_bytes = _nbytes(master) if own_master else 0
+        if self.offload:
+            return {
+                "params": params,
+                "grads": grads,
+                "host_grads": master_grad,
+                "host_master_weights": master_bytes,
+            }
+        return {"params": params, "grads": grads + master_grad, "master_weights": master_bytes}
 
     def full_master(self) -> torch.Tensor:
         """The whole fp32 master buffer, gathered across the shard group (collective)."""
         if self.layout.num_shards == 1:
             return self.master.detach().float()
         full = self._new_zeros(self.layout.padded_numel, torch.float32)
-        self.comm.all_gather(full, self.master.detach().float(), self.shard_group)
+        shard = self.master.detach().to(self.device, torch.float32)
+        self.comm.all_gather(full, shard, self.shard_group)
         return full
+
+    def _host_empty(self, numel: int) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.empty(numel, dtype=torch.float32, device=self.host, pin_memory=pin)
 
     def _as_reduce_dtype(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)

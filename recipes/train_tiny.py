@@ -28,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--zero_stage", type=int, default=None, help="0, 1 or 2 (default: 2)")
     parser.add_argument("--zero_config", default=None, help="hf_zero YAML or DeepSpeed JSON")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None)
+    parser.add_argument(
+        "--offload_optimizer", choices=["none", "cpu"], default=None, help="ZeRO-Offload"
+    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
@@ -55,6 +58,7 @@ def main(argv=None) -> float:
         args.zero_config,
         stage=args.zero_stage,
         precision=args.precision,
+        offload_optimizer=args.offload_optimizer,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_clipping=args.max_grad_norm,
     )
@@ -72,8 +76,9 @@ def main(argv=None) -> float:
     gas = engine.config.gradient_accumulation_steps
     world = dist.get_world_size()
     logger.info(
-        "ZeRO stage %d, %s, %d ranks, %d parameters, micro-batch %d x accumulation %d",
+        "ZeRO stage %d%s, %s, %d ranks, %d parameters, micro-batch %d x accumulation %d",
         engine.config.stage,
+        " + CPU offload" if engine.config.offload_optimizer == "cpu" else "",
         engine.config.precision,
         world,
         sum(p.numel() for p in model.parameters()),

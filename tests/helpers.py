@@ -122,6 +122,7 @@ def train_zero(
     precision: str = "fp32",
     seed: int = 0,
     checkpointing: bool = False,
+    make_optimizer=adamw,
     **cfg,
 ):
     """The same run through hf_zero; returns (losses, parameters, engine)."""
@@ -129,7 +130,7 @@ def train_zero(
     model = build_model(seed, checkpointing)
     engine = hf_zero.initialize(
         model,
-        torch.optim.AdamW(two_param_groups(model)),
+        make_optimizer(two_param_groups(model)),
         stage=stage,
         precision=precision,
         gradient_accumulation_steps=gas,

@@ -39,11 +39,19 @@ def _loss(model, tokens):
     [
         ["--zero_stage", "2"],
         ["--zero_stage", "3"],
+        ["--zero_stage", "2", "--offload_optimizer", "cpu"],
         ["--zero_config", str(ROOT / "configs/zero/stage1.yaml")],
         ["--zero_config", str(ROOT / "configs/zero/stage2.yaml"), "--precision", "fp32"],
         ["--zero_config", str(ROOT / "configs/zero/ds_zero2.json")],
     ],
-    ids=["stage2-flag", "stage3-flag", "stage1.yaml", "stage2.yaml", "ds_zero2.json"],
+    ids=[
+        "stage2-flag",
+        "stage3-flag",
+        "stage2-offload",
+        "stage1.yaml",
+        "stage2.yaml",
+        "ds_zero2.json",
+    ],
 )
 def test_train_tiny_learns_and_saves_a_loadable_model(tmp_path, flags):
     out = _torchrun(*flags, "--steps", "40", "--log_every", "10", "--output_dir", str(tmp_path))

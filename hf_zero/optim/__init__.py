@@ -1,5 +1,6 @@
 """Sharded optimizer (stages 1-2) and its helpers."""
 
+from hf_zero.optim.cpu_adam import CPUAdam, adam_step
 from hf_zero.optim.sharded import ShardedOptimizer, build_optimizer, check_elementwise
 
-__all__ = ["ShardedOptimizer", "build_optimizer", "check_elementwise"]
+__all__ = ["CPUAdam", "ShardedOptimizer", "adam_step", "build_optimizer", "check_elementwise"]

@@ -16,6 +16,7 @@ import torch
 
 from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
 from hf_zero.precision import LossScaler
 from hf_zero.topology import Group
 
@@ -160,6 +161,8 @@ class ShardedOptimizer:
         self.comm = comm
         self.dp_group = dp_group
         self.loss_scaler = loss_scaler
+        self.offload = any(g.offload for g in groups)
+        self._group_of_master = {id(g.master): g for g in groups}
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping, from the last clip (None if not computed)."""
         self.last_grad_norm_post_clip: float | None = None
@@ -177,10 +180,12 @@ class ShardedOptimizer:
         if self._grads_prepared:
             return self._overflow
         self._grads_prepared = True
+        for group in self.groups:
+            group.fold_host_grad()
         grads = [g.master.grad for g in self.groups if g.master.grad is not None]
         if self.loss_scaler.enabled:
             local = any(not torch.isfinite(g).all() for g in grads)
-            flag = torch.tensor([1.0 if local else 0.0], device=self._device())
+            flag = torch.tensor([1.0 if local else 0.0], device=self._comm_device())
             self.comm.all_reduce_max(flag, self.dp_group)
             self._overflow = bool(flag.item())
             if not self._overflow:
@@ -192,10 +197,11 @@ class ShardedOptimizer:
     def global_grad_norm(self) -> float:
         """L2 norm of the whole (unscaled) gradient across all shards (collective)."""
         self.prepare_grads()
-        sq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        sq = torch.zeros(1, dtype=torch.float32, device=self._master_device())
         for g in self.groups:
             if g.master.grad is not None:
                 sq += g.master.grad.float().pow(2).sum()
+        sq = sq.to(self._comm_device())
         if self.groups and self.groups[0].layout.num_shards > 1:
             self.comm.all_reduce(sq, self.dp_group)
         return math.sqrt(sq.item())
@@ -225,12 +231,30 @@ class ShardedOptimizer:
             return False
         if gradient_clipping > 0 and not clipped:
             self.clip_grad_norm_(gradient_clipping)
-        self.optimizer.step()
+        self._optimizer_step()
         works = [g.gather_params(async_op=True) for g in self.groups]
         for work in works:
             if work is not None:
                 work.wait()
         return True
+
+    def _optimizer_step(self) -> None:
+        """Step the user's optimizer; offloaded Adam/AdamW takes the tiled fused CPU path, and
+        each finished tile starts its copy back to the device while the next is updated."""
+        if not self.offload:
+            self.optimizer.step()
+            return
+
+        def on_tile(master: torch.Tensor, start: int, end: int) -> None:
+            self._group_of_master[id(master)].stage_tile(start, end)
+
+        if isinstance(self.optimizer, CPUAdam):
+            self.optimizer.on_tile = on_tile
+            self.optimizer.step()
+        elif supports_fast_step(self.optimizer):
+            adam_step(self.optimizer, on_tile=on_tile)
+        else:
+            self.optimizer.step()  # any other elementwise optimizer, untiled
 
     def end_step(self) -> None:
         self._grads_prepared = False
@@ -245,5 +269,8 @@ class ShardedOptimizer:
                     total += value.numel() * value.element_size()
         return total
 
-    def _device(self) -> torch.device:
+    def _master_device(self) -> torch.device:
         return self.groups[0].master.device if self.groups else torch.device("cpu")
+
+    def _comm_device(self) -> torch.device:
+        return self.groups[0].device if self.groups else torch.device("cpu")

@@ -1,0 +1,157 @@
+"""ZeRO-Offload: fp32 master weights, gradients and Adam state in host memory.
+
+Exactness: the offloaded step runs the same elementwise arithmetic on the same fp32 values, only
+in host memory, so with the same optimizer kernel (AdamW(fused=True) is the kernel the fast CPU
+path uses) offloaded and on-device training are equal bit for bit. Against DDP the usual 1e-6.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import (
+    BUCKET,
+    batch,
+    build_model,
+    max_loss_diff,
+    max_param_diff,
+    train_ddp,
+    train_zero,
+    two_param_groups,
+)
+
+import hf_zero
+from hf_zero.optim import CPUAdam
+from hf_zero.testing import run_distributed
+
+STEPS, GAS, CLIP = 3, 2, 0.3
+ZERO3 = dict(param_persistence_threshold=50)
+
+
+def fused_adamw(groups):
+    return torch.optim.AdamW(groups, fused=True)
+
+
+def cpu_adam(groups):
+    return CPUAdam(groups)
+
+
+def _offload(stage: int, make_optimizer) -> dict:
+    extra = ZERO3 if stage == 3 else {}
+    ref_losses, ref_params = train_ddp(STEPS, GAS, CLIP, make_optimizer=make_optimizer)
+    on_losses, on_params, _ = train_zero(
+        STEPS, GAS, CLIP, stage, make_optimizer=fused_adamw, **extra
+    )
+    off_losses, off_params, engine = train_zero(
+        STEPS, GAS, CLIP, stage, make_optimizer=make_optimizer, offload_optimizer="cpu", **extra
+    )
+    return {
+        "equal_to_on_device": off_losses == on_losses
+        and all(torch.equal(off_params[k], on_params[k]) for k in on_params),
+        "loss_vs_ddp": max_loss_diff(off_losses, ref_losses),
+        "param_vs_ddp": max_param_diff(off_params, ref_params),
+        "report": engine.memory_report(),
+        "shard": sum(g.layout.shard_numel for g in engine.groups),
+        "offloaded": all(g.offload and g.master.device.type == "cpu" for g in engine.groups),
+        "step_bytes": sum(
+            s["step"].numel() * s["step"].element_size()
+            for s in engine.optimizer.optimizer.state.values()
+        ),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("make_optimizer", [fused_adamw, cpu_adam], ids=["torch-adamw", "cpu-adam"])
+def test_offload_equals_on_device_exactly_and_ddp(stage, make_optimizer):
+    for r in run_distributed(_offload, 2, args=(stage, make_optimizer)):
+        assert r["offloaded"]
+        assert r["equal_to_on_device"], "offloaded fp32 training must be bit-identical"
+        assert r["loss_vs_ddp"] <= 1e-6 and r["param_vs_ddp"] <= 1e-6, r
+        rep, shard = r["report"], r["shard"]
+        # Nothing of the optimizer stays on the device; the host holds 12 bytes per shard elem.
+        assert rep["optimizer_states"] == 0 and rep["master_weights"] == 0
+        assert rep["host_master_weights"] == 4 * shard
+        assert rep["host_optimizer_states"] - r["step_bytes"] == 8 * shard
+
+
+def _default_adamw(stage: int) -> dict:
+    # The user's default AdamW (for-loop kernel) is stepped by the fused CPU kernel when offloaded:
+    # the same formula, rounded differently in the last bit.
+    ref_losses, ref_params = train_ddp(STEPS, GAS, CLIP)
+    losses, params, engine = train_zero(STEPS, GAS, CLIP, stage, offload_optimizer="cpu")
+    return {
+        "loss": max_loss_diff(losses, ref_losses),
+        "param": max_param_diff(params, ref_params),
+        "lrs": [g["lr"] for g in engine.optimizer.optimizer.param_groups],
+    }
+
+
+def test_user_adamw_is_offloaded_with_its_hyperparameters():
+    for r in run_distributed(_default_adamw, 2, args=(2,)):
+        assert r["loss"] <= 1e-6 and r["param"] <= 1e-6, r
+        assert r["lrs"] == [1e-3, 2e-3]  # the two param groups kept their learning rates
+
+
+def _grads_on_host() -> dict:
+    model = build_model()
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(two_param_groups(model)),
+        stage=2,
+        offload_optimizer="cpu",
+        reduce_bucket_size=BUCKET,
+    )
+    x = batch(dist.get_rank(), 0, 0)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.optimizer.prepare_grads()
+    return {
+        "report": engine.memory_report(),
+        "shard": sum(g.layout.shard_numel for g in engine.groups),
+        "full_grads": [n for n, p in model.named_parameters() if p.grad is not None],
+    }
+
+
+def test_gradient_shards_are_copied_to_host_after_reduction():
+    for r in run_distributed(_grads_on_host, 2):
+        assert r["full_grads"] == []
+        assert r["report"]["grads"] == 0 and r["report"]["host_grads"] == 4 * r["shard"]
+
+
+def test_cpu_adam_matches_torch_fused_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    n = 300_007
+    ours = torch.nn.Parameter(torch.randn(n))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    opt_ours = CPUAdam([ours], lr=1e-3, weight_decay=0.1, tile_numel=4096)
+    opt_theirs = torch.optim.AdamW([theirs], lr=1e-3, weight_decay=0.1, fused=True)
+    for _ in range(4):
+        g = torch.randn(n)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    assert torch.equal(ours, theirs)
+    assert opt_ours.state_dict()["state"][0].keys() == opt_theirs.state_dict()["state"][0].keys()
+
+
+def test_cpu_adam_bf16_state_halves_memory_within_stated_error():
+    torch.manual_seed(0)
+    n = 100_000
+    start = torch.randn(n)
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        p = torch.nn.Parameter(start.clone())
+        opt = CPUAdam([p], lr=1e-3, state_dtype=dtype)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(10):
+            p.grad = torch.randn(n, generator=gen)
+            opt.step()
+        state = opt.state[p]
+        runs[dtype] = (p.detach() - start, state["exp_avg"].element_size())
+    (update32, bytes32), (update16, bytes16) = runs[torch.float32], runs[torch.bfloat16]
+    assert (bytes32, bytes16) == (4, 2)
+    # Moments rounded to 8 significant bits: the accumulated update differs by < 1% relative.
+    assert ((update16 - update32).norm() / update32.norm()).item() < 1e-2
+
+
+def test_cpu_adam_rejects_unknown_state_dtype():
+    with pytest.raises(ValueError, match=r"'state_dtype' = torch\.float16; allowed"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
