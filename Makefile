@@ -18,10 +18,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
-# The main job: ZeRO-2 fine-tune of the embedded tiny Llama on the embedded text, 2 ranks.
+# The main job: LoRA fine-tune of the embedded tiny Llama on the embedded text with ZeRO-3,
+# two CPU processes (or GPUs) through `accelerate launch` and the Trainer.
 train: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 \
-		recipes/train_tiny.py --zero_stage 2 --output_dir outputs/tiny-zero2
+	OMP_NUM_THREADS=1 $(BIN)/accelerate launch --config_file configs/accelerate/cpu_2proc.yaml \
+		recipes/finetune_lora.py --zero_stage 3 --output_dir outputs/lora-zero3 \
+		--max_steps 150 --learning_rate 1e-2 --per_device_train_batch_size 8 \
+		--logging_steps 25 --save_strategy no --report_to none
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest

@@ -7,10 +7,31 @@ from hf_zero.topology import Topology, current_device, init_distributed
 
 __version__ = "0.1.0"
 
+# The Hugging Face integrations import transformers' Trainer (slow): loaded on first use.
+_LAZY = {
+    "ZeroAccelerator": "hf_zero.integrations.accelerate",
+    "ZeroPlugin": "hf_zero.integrations.accelerate",
+    "ZeroTrainer": "hf_zero.integrations.trainer",
+    "ZeroTrainingArguments": "hf_zero.integrations.trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
+
+
 __all__ = [
     "Topology",
+    "ZeroAccelerator",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroPlugin",
+    "ZeroTrainer",
+    "ZeroTrainingArguments",
     "__version__",
     "current_device",
     "gathered_parameters",

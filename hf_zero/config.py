@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -161,12 +162,14 @@ class ZeroConfig:
         world_size: int | None = None,
         max_grad_norm: float | None = None,
         precision: str | None = None,
+        final: bool = True,
     ) -> ZeroConfig:
         """Replace ``"auto"`` values, in place, with values derived from the model and arguments.
 
         Follows the Hugging Face DeepSpeed integration: bucket sizes from ``hidden_size``,
         batch sizes from the training arguments. Fields still ``"auto"`` for lack of information
-        fall back to the dataclass defaults.
+        fall back to DeepSpeed's defaults, unless ``final=False`` (more is known later: the
+        Trainer resolves its arguments first, `initialize` the model's hidden size).
         """
         h2 = hidden_size * hidden_size if hidden_size else None
         derived = {
@@ -180,12 +183,13 @@ class ZeroConfig:
             "precision": precision,
         }
         for name, value in derived.items():
-            if getattr(self, name) == AUTO:
+            if getattr(self, name) == AUTO and (value is not None or final):
                 setattr(self, name, value if value is not None else AUTO_FALLBACKS[name])
         if self.train_batch_size == AUTO:
             mb, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
             ok = isinstance(mb, int) and isinstance(gas, int) and world_size
-            self.train_batch_size = mb * gas * world_size if ok else None
+            if ok or final:
+                self.train_batch_size = mb * gas * world_size if ok else None
         self.validate()
         return self
 
@@ -276,6 +280,59 @@ class ZeroConfig:
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
                 f"got stage {self.stage}"
             )
+
+
+# ----------------------------------------------------------------------------------------------
+# several sources at once (command line, --zero_config file, HF_ZERO_CONFIG file)
+# ----------------------------------------------------------------------------------------------
+
+ENV_VAR = "HF_ZERO_CONFIG"
+
+
+def explicit_values(source: Mapping | str | Path | None) -> dict[str, Any]:
+    """The fields a file or dict sets explicitly (validated key by key), hf_zero or DeepSpeed."""
+    if source is None:
+        return {}
+    raw = _read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
+    return from_deepspeed(raw) if is_deepspeed_config(raw) else _check_keys(raw)
+
+
+def resolve_sources(
+    cli: Mapping[str, Any],
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flag_names: Mapping[str, str] | None = None,
+) -> ZeroConfig:
+    """Merge settings with precedence command line > ``config_file`` > ``$HF_ZERO_CONFIG``.
+
+    ``cli`` maps field names to values (``None`` = not given). A command-line value that
+    contradicts a value the ``--zero_config`` file sets explicitly raises ``ValueError`` naming
+    both; a file that overrides ``$HF_ZERO_CONFIG`` only warns. All checks run before any
+    process-group work.
+    """
+    env = os.environ if env is None else env
+    flag_names = flag_names or {}
+    env_file = env.get(ENV_VAR) or None
+    from_env = explicit_values(env_file)
+    from_file = explicit_values(config_file)
+    given = {k: v for k, v in cli.items() if v is not None}
+    _check_keys(given)
+    for key in sorted(given.keys() & from_file.keys()):
+        if given[key] != from_file[key]:
+            flag = flag_names.get(key, key)
+            raise ValueError(
+                f"hf_zero: --{flag} {given[key]!r} contradicts '{key}' = {from_file[key]!r} in "
+                f"{config_file}; change one of them (the command line would win, but a silent "
+                "override hides mistakes)"
+            )
+    overridden = [
+        k for k in sorted(from_file.keys() & from_env.keys()) if from_file[k] != from_env[k]
+    ]
+    if overridden:
+        warnings.warn(
+            f"hf_zero: {config_file} overrides {ENV_VAR}={env_file} for {overridden}", stacklevel=2
+        )
+    return ZeroConfig(**{**from_env, **from_file, **given})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,8 +504,8 @@ def from_deepspeed(raw: Mapping) -> dict[str, Any]:
         values["precision"] = "fp16" if fp16_on is True else "bf16"
     elif AUTO in (fp16_on, bf16_on):
         values["precision"] = AUTO  # the Trainer's --fp16/--bf16 decide
-    else:
-        values["precision"] = "fp32"
+    elif "fp16" in raw or "bf16" in raw:
+        values["precision"] = "fp32"  # both sections present and disabled
     _check_section("fp16", fp16, set(_DS_FP16_MAP) | _DS_FP16_IGNORED)
     _check_section("bf16", bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"})
     for ds_key, field in _DS_FP16_MAP.items():

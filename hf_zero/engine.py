@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hf_zero import checkpoint
 from hf_zero.comm import Collectives, CommStats
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
@@ -121,6 +122,8 @@ class ZeroEngine:
         self.skipped_steps = 0
         """Steps skipped because of fp16 overflow."""
         self._last_step_micro = 0
+        self.last_step_skipped = False
+        """True when the last boundary step was skipped (fp16 overflow)."""
         self._clipped = False
         self._in_engine_backward = False
         self.comm.stats.reset()  # start counting from the first training step
@@ -289,6 +292,7 @@ class ZeroEngine:
             return False
         self._last_step_micro = self.reducer.micro_steps
         stepped = self.optimizer.step(self.config.gradient_clipping, clipped=self._clipped)
+        self.last_step_skipped = not stepped
         if stepped:
             self.global_steps += 1
             if self.lr_scheduler is not None:
@@ -398,6 +402,14 @@ class ZeroEngine:
                 state[key] = tensor.detach().to("cpu", copy=True)
         return state
 
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Write this rank's master shards and optimizer state (collective); see `checkpoint`."""
+        checkpoint.save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore what `save_checkpoint` wrote, at the same world size and stage."""
+        checkpoint.load_checkpoint(self, directory)
+
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """Context in which ``params`` (default: all) are whole; see `gathered_parameters`."""
         return gathered_parameters(
@@ -449,7 +461,10 @@ def _write_back(group: FlatParamGroup, src: int) -> None:
 def _refuse_unfinished(config: ZeroConfig) -> None:
     """Features the config accepts but this version does not implement yet."""
     unfinished = {
+        "quantized_weights": (config.quantized_weights, "ZeRO++ qwZ"),
+        "hpz_partition_size": (config.hpz_partition_size > 1, "ZeRO++ hpZ"),
         "quantized_gradients": (config.quantized_gradients, "ZeRO++ qgZ"),
+        "quantized_nontrainable_weights": (config.quantized_nontrainable_weights, "MixZ++"),
         "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
         "tp_size": (config.tp_size > 1, "AutoTP tensor parallelism"),
     }

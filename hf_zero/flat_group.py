@@ -100,7 +100,7 @@ class FlatParamGroup:
                 master = full32[start:end].clone()
             self.master = torch.nn.Parameter(master, requires_grad=False)
         self._pending_host_grad: tuple[torch.Tensor, object] | None = None
-        self._staging: torch.Tensor | None = None  # offload: device copy of the updated shard
+        self._staging: torch.Tensor | None = None  # offload: updated shard on its way to the device
         self._staged = False
         del full32
         self._gather_work = None
@@ -316,6 +316,10 @@ class FlatParamGroup:
             target = self._staging
         target[start:end].copy_(self.master.detach()[start:end], non_blocking=True)
         self._staged = True
+
+    def drop_staging(self) -> None:
+        """Offload: free the device copy of the updated shard once it has been gathered."""
+        self._staging = None
 
     def zero_grad(self) -> None:
         self._pending_host_grad = None

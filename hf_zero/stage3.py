@@ -13,7 +13,7 @@ Life of a unit in one training step:
 * forward pre-hook: gather (or wait for a prefetch), then prefetch the next units of the traced
   execution order; the unit's inputs get a `_PostBackward` marker.
 * forward post-hook: release, unless the unit runs again next, or it is the root (its
-  parameters are used again at the start of backward); the outputs get a `_PreBackward` marker.
+  parameters are used again at the start of backward); a gradient hook goes on the outputs.
 * backward, when gradients reach the outputs: gather again, prefetch the next units of the
   traced backward order. Activation-checkpoint recomputation runs here, with the unit gathered.
 * gradients: the post-accumulate-grad hooks of `GradientReducer` reduce-scatter each group as it
@@ -109,8 +109,8 @@ def assign_params_to_units(
     return owner
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs; its backward runs before the unit's own backward."""
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
 
     @staticmethod
     def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):
@@ -123,11 +123,7 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class _PostBackward(_PreBackward):
-    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
-
-
-def _mark(fn: type[_PreBackward], hook: Callable[[], None], obj):
+def _mark(fn: type[_PostBackward], hook: Callable[[], None], obj):
     """Route every tensor in ``obj`` that requires grad through ``fn``; None if there is none."""
     leaves, spec = pytree.tree_flatten(obj)
     where = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
@@ -216,7 +212,14 @@ class Zero3Coordinator:
         elif not _in_backward() and not self._runs_next(unit):
             unit_release(unit)
         if needs_backward:
-            return _mark(_PreBackward, lambda: self._pre_backward(unit), output)
+            # A hook, not a wrapper: outputs stay the tensors the module made, so callers may
+            # modify them in place (the Trainer scales the loss with `loss *= ...`).
+            outputs = [
+                x for x in pytree.tree_leaves(output) if torch.is_tensor(x) and x.requires_grad
+            ]
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grad: self._pre_backward(unit), mode="any"
+            )
         return None
 
     def _runs_next(self, unit: Unit) -> bool:

@@ -57,3 +57,39 @@ def token_batches(seq_len: int, batch_size: int, rank: int = 0, world_size: int 
         starts = torch.randint(0, len(tokens) - seq_len, (batch_size * world_size,), generator=g)
         mine = starts[rank::world_size]
         yield torch.stack([tokens[s : s + seq_len] for s in mine.tolist()])
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer built in code (256 byte tokens + ``<eos>``, ``<pad>``): no files.
+
+    Token ``i < 256`` is the byte ``i``, as in `byte_tokens`, so the embedded model and corpus
+    work with or without it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenizes to)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars

@@ -200,7 +200,9 @@ def _reuse() -> dict:
             out["frozen_sharded"] = [g.names for g in runner.frozen_groups]
         for step in range(3):
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-            runner(x).backward()
+            loss = runner(x)
+            loss *= 1.0  # in place on the output, as the Trainer does: must stay legal
+            loss.backward()
             optimizer.step() if name == "ddp" else runner.step()
             optimizer.zero_grad()
         with hf_zero.gathered_parameters(model.parameters()):

@@ -236,6 +236,8 @@ class ShardedOptimizer:
         for work in works:
             if work is not None:
                 work.wait()
+        for group in self.groups:
+            group.drop_staging()
         return True
 
     def _optimizer_step(self) -> None:

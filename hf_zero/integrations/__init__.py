@@ -1,0 +1,1 @@
+"""Hugging Face integrations: an Accelerate accelerator and a Trainer."""

@@ -1,0 +1,246 @@
+"""`ZeroPlugin` and `ZeroAccelerator`: hf_zero inside Accelerate.
+
+Accelerate has no plugin registry, so `ZeroAccelerator` subclasses `Accelerator`: ``prepare``
+hands the model and optimizer to `hf_zero.initialize` (the model keeps its identity: hooks live
+on it, nothing wraps it), and the training-loop calls route to the engine. Data loaders,
+schedulers, ``gather_for_metrics`` and the rest are Accelerate's own.
+
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)   # returns the pre-clip norm
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+With no CUDA device, the processes an accelerate YAML starts (``distributed_type: MULTI_GPU``)
+become one gloo group on the CPU without further settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+
+from hf_zero.config import ZeroConfig
+from hf_zero.engine import ZeroEngine, initialize
+
+_ACCELERATE_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+
+@dataclass
+class ZeroPlugin:
+    """hf_zero settings for `ZeroAccelerator`: a `ZeroConfig` (from any source it accepts)."""
+
+    config: ZeroConfig = field(default_factory=ZeroConfig)
+
+    def __init__(self, config: ZeroConfig | dict | str | None = None, **overrides) -> None:
+        self.config = ZeroConfig.load(config, **overrides)
+
+    def adopt_mixed_precision(self, mixed_precision: str | None) -> None:
+        """Take Accelerate's ``mixed_precision`` as the compute dtype, unless the config set one.
+
+        hf_zero casts the model and keeps fp32 master weights itself, so Accelerate's autocast
+        and GradScaler stay off. A config precision that contradicts it raises.
+        """
+        if mixed_precision is None:
+            return
+        wanted = _ACCELERATE_PRECISION.get(str(mixed_precision))
+        if wanted is None:
+            raise ValueError(
+                f"hf_zero: mixed_precision = {mixed_precision!r} is not supported; allowed: "
+                + ", ".join(_ACCELERATE_PRECISION)
+            )
+        current = self.config.precision
+        if current == "auto" or (current == "fp32" and wanted != "fp32"):
+            self.config.precision = wanted
+        elif current != wanted and wanted != "fp32":
+            raise ValueError(
+                f"hf_zero: the zero config says precision = {current!r} but Accelerate's "
+                f"mixed_precision is {mixed_precision!r}; make them agree"
+            )
+
+
+class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
+    """The optimizer Accelerate hands back: ``step``/``zero_grad`` go through the engine."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        super().__init__(engine.optimizer.optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+
+    def step(self, closure=None):
+        if self.gradient_state.sync_gradients:
+            self.engine.step()
+
+    def zero_grad(self, set_to_none=None):
+        if self.gradient_state.sync_gradients:
+            self.engine.zero_grad()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when fp16 loss scaling skipped the last step (schedulers then hold still)."""
+        return self.engine.last_step_skipped
+
+
+class ZeroAccelerator(Accelerator):
+    """An `accelerate.Accelerator` whose model and optimizer run on hf_zero's ZeRO engine.
+
+    Args:
+        zero_plugin: the hf_zero settings; default: ``$HF_ZERO_CONFIG`` if set, else defaults.
+        *args, **kwargs: as for ``Accelerator``. ``mixed_precision`` (or the launcher's
+            ``ACCELERATE_MIXED_PRECISION``) becomes the engine's precision.
+    """
+
+    def __init__(self, *args, zero_plugin: ZeroPlugin | None = None, **kwargs) -> None:
+        if zero_plugin is None:
+            zero_plugin = ZeroPlugin(os.environ.get("HF_ZERO_CONFIG") or None)
+        precision = kwargs.pop("mixed_precision", None) or os.environ.get(
+            "ACCELERATE_MIXED_PRECISION"
+        )
+        zero_plugin.adopt_mixed_precision(precision)
+        if not torch.cuda.is_available():
+            kwargs.setdefault("cpu", True)  # several CPU processes: one gloo group
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        self.zero_plugin = zero_plugin
+        self.engine: ZeroEngine | None = None
+
+    # --- prepare -----------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        optimizers = [
+            a
+            for a in args
+            if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)
+        ]
+        if len(models) > 1 or len(optimizers) > 1:
+            raise ValueError("hf_zero: ZeroAccelerator prepares one model and one optimizer")
+        if models and optimizers:
+            self.engine = self._make_engine(models[0], optimizers[0])
+            wrapped = ZeroAcceleratedOptimizer(self.engine)
+            args = tuple(wrapped if a is optimizers[0] else a for a in args)
+        elif optimizers and self.engine is None:
+            raise ValueError(
+                "hf_zero: prepare the model together with its optimizer "
+                "(accelerator.prepare(model, optimizer, ...))"
+            )
+        result = super().prepare(*args, device_placement=device_placement)
+        return result
+
+    def _make_engine(self, model: torch.nn.Module, optimizer) -> ZeroEngine:
+        # Accelerate (and the Trainer) scale the loss and call clip_grad_norm_ themselves, so
+        # the engine must not accumulate or clip on its own.
+        config = self.zero_plugin.config.replace(
+            gradient_accumulation_steps=1, gradient_clipping=0.0
+        )
+        engine = initialize(model, optimizer, config)
+        model._hf_zero_engine = engine
+        # The Trainer calls model.zero_grad() after each step; route it to the engine so that
+        # stages 0-1 keep their flat gradient buffers instead of reallocating them.
+        model.zero_grad = lambda set_to_none=True: engine.zero_grad()
+        return engine
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if getattr(model, "_hf_zero_engine", None) is not None:
+            if model not in self._models:
+                self._models.append(model)
+            return model  # hooks live on the model itself: nothing to wrap
+        if self.engine is None and not evaluation_mode:
+            # Preparing a model alone (no optimizer yet): only place it; the engine comes with
+            # the optimizer.
+            return model.to(self.device)
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        if isinstance(optimizer, ZeroAcceleratedOptimizer):
+            self._optimizers.append(optimizer)
+            return optimizer
+        return super().prepare_optimizer(optimizer, device_placement)
+
+    # --- the training loop -------------------------------------------------------------------
+    def backward(self, loss, **kwargs):
+        if self.engine is None:
+            return super().backward(loss, **kwargs)
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        if self.engine is None:
+            with super().no_sync(model):
+                yield
+            return
+        with self.engine.no_sync():
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Clip the global gradient norm across all shards; returns the norm *before* clipping."""
+        if self.engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if norm_type != 2:
+            raise ValueError(f"hf_zero: clip_grad_norm_ supports norm_type 2, got {norm_type}")
+        return torch.tensor(self.engine.clip_grad_norm_(float(max_norm)))
+
+    def get_state_dict(self, model, unwrap=True):
+        """The complete state dict, gathered (collective); rank 0 gets it, others ``{}``."""
+        if self.engine is None:
+            return super().get_state_dict(model, unwrap)
+        return self.engine.full_state_dict()
+
+    # --- save_state / load_state -------------------------------------------------------------
+    def save_state(self, output_dir: str | None = None, **kwargs) -> str:
+        """Sharded engine checkpoint (per-rank files), schedulers and RNG states."""
+        if self.engine is None:
+            return super().save_state(output_dir, **kwargs)
+        output_dir = Path(output_dir or self.project_configuration.project_dir or "checkpoint")
+        self.engine.save_checkpoint(output_dir)
+        if self.is_main_process:
+            for i, scheduler in enumerate(self._schedulers):
+                torch.save(scheduler.state_dict(), output_dir / f"scheduler_{i}.pt")
+        torch.save(_rng_state(), output_dir / f"rng_state_{self.process_index}.pt")
+        self.wait_for_everyone()
+        return str(output_dir)
+
+    def load_state(self, input_dir: str | None = None, **kwargs) -> None:
+        if self.engine is None:
+            return super().load_state(input_dir, **kwargs)
+        input_dir = Path(input_dir)
+        self.engine.load_checkpoint(input_dir)
+        for i, scheduler in enumerate(self._schedulers):
+            scheduler.load_state_dict(
+                torch.load(input_dir / f"scheduler_{i}.pt", weights_only=True)
+            )
+        _set_rng_state(
+            torch.load(input_dir / f"rng_state_{self.process_index}.pt", weights_only=True)
+        )
+
+
+def _rng_state() -> dict:
+    """RNG states as tensors and plain values, loadable with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,68 @@
+"""What the recipes share: model + tokenizer loading (with the embedded tiny default), the text
+dataset (with the embedded corpus as default) and a fixed probe for checking saved models."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.tiny import tiny_corpus, tiny_llama, tiny_tokenizer
+
+
+def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):
+    """``(model, tokenizer)``: a Hub/local causal LM, or the embedded tiny Llama when None.
+
+    The tiny default is initialised with ``initializer_range=0.3`` (not 0.02): its frozen random
+    embeddings then span a wide enough range of logits for LoRA adapters alone to learn the
+    text in a CPU demo. A real run starts from pretrained weights instead.
+    """
+    if model_name_or_path is None:
+        tokenizer = tiny_tokenizer()
+        return tiny_llama(seed=seed, vocab_size=len(tokenizer), initializer_range=0.3), tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return AutoModelForCausalLM.from_pretrained(model_name_or_path), tokenizer
+
+
+def make_lm_dataset(tokenizer, block_size: int, dataset_name=None, text_file=None):
+    """Causal-LM examples of ``block_size`` tokens (labels = inputs) from a text source."""
+    from datasets import Dataset, load_dataset
+
+    if dataset_name:
+        raw = load_dataset(dataset_name, split="train")
+    elif text_file:
+        raw = load_dataset("text", data_files=text_file, split="train")
+    else:
+        raw = Dataset.from_dict({"text": [p for p in tiny_corpus().split("\n") if p]})
+
+    def tokenize(batch):
+        return tokenizer([t + tokenizer.eos_token for t in batch["text"]])
+
+    def group(batch):
+        ids = [i for seq in batch["input_ids"] for i in seq]
+        usable = len(ids) // block_size * block_size
+        blocks = [ids[i : i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    tokenized = raw.map(tokenize, batched=True, remove_columns=raw.column_names)
+    return tokenized.map(group, batched=True, remove_columns=tokenized.column_names)
+
+
+def save_run_record(trainer, output_dir: str, logits: torch.Tensor) -> None:
+    """Rank 0: the probe logits and the Trainer's log history, for checking a run afterwards."""
+    import json
+
+    if trainer.args.process_index == 0:
+        torch.save(logits, f"{output_dir}/probe_logits.pt")
+        with open(f"{output_dir}/log_history.json", "w") as f:
+            json.dump(trainer.state.log_history, f, indent=1)
+
+
+@torch.no_grad()
+def probe_logits(model, tokenizer, device) -> torch.Tensor:
+    """Logits of a fixed sentence (collective under ZeRO-3: every rank must call it)."""
+    model.eval()
+    ids = tokenizer("The lighthouse keeper wrote", return_tensors="pt")["input_ids"].to(device)
+    return model(input_ids=ids).logits.float().cpu()

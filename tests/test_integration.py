@@ -1,0 +1,202 @@
+"""Hugging Face integration, as users run it: `accelerate launch` of the recipes on two CPU ranks,
+saved artefacts loaded back in fresh processes, resume, and early errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_zero.integrations.trainer import ZeroTrainingArguments
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+CPU_2PROC = str(ROOT / "configs/accelerate/cpu_2proc.yaml")
+COMMON = [
+    "--per_device_train_batch_size",
+    "8",
+    "--report_to",
+    "none",
+    "--disable_tqdm",
+    "true",
+    "--seed",
+    "42",
+]
+
+
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "recipes"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+def _launch(recipe: str, *flags: str) -> None:
+    _run([*LAUNCH, "--config_file", CPU_2PROC, str(ROOT / "recipes" / recipe), *COMMON, *flags])
+
+
+def _losses(output_dir: Path) -> dict[int, float]:
+    history = json.loads((output_dir / "log_history.json").read_text())
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def _fresh_process_probe(code: str, output_dir: Path) -> torch.Tensor:
+    """Run ``code`` (defining ``model``) in a new interpreter; return its probe logits."""
+    script = (
+        "import torch\n"
+        "from recipe_utils import load_model_and_tokenizer, probe_logits\n"
+        f"{code}\n"
+        f"torch.save(probe_logits(model, tokenizer, 'cpu'), r'{output_dir}/fresh_probe.pt')\n"
+    )
+    _run([sys.executable, "-c", script], timeout=120)
+    return torch.load(output_dir / "fresh_probe.pt")
+
+
+def test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter(tmp_path):
+    out = tmp_path / "lora"
+    _launch(
+        "finetune_lora.py",
+        "--zero_stage", "3",
+        "--output_dir", str(out),
+        "--max_steps", "40",
+        "--logging_steps", "10",
+        "--learning_rate", "1e-2",
+        "--save_strategy", "no",
+    )  # fmt: skip
+    losses = _losses(out)
+    assert losses[40] < 0.8 * losses[10], losses
+    history = json.loads((out / "log_history.json").read_text())
+    logged = next(h for h in history if "loss" in h)
+    assert logged["comm_MB_per_step"] > 0, "no communication: the two ranks were not one group"
+    assert "grad_norm_pre_clip" in logged and "mem_MB_params" in logged
+    assert (out / "adapter_model.safetensors").is_file()
+    fresh = _fresh_process_probe(
+        "from peft import PeftModel\n"
+        "base, tokenizer = load_model_and_tokenizer(None, seed=42)\n"
+        f"model = PeftModel.from_pretrained(base, r'{out}')",
+        out,
+    )
+    trained = torch.load(out / "probe_logits.pt")
+    torch.testing.assert_close(fresh, trained, rtol=1e-5, atol=1e-5)
+    base_only = _fresh_process_probe(
+        "model, tokenizer = load_model_and_tokenizer(None, seed=42)", out
+    )
+    assert (base_only - trained).abs().max() > 1e-2, "the adapter changed nothing"
+
+
+def test_full_recipe_zero2_with_a_deepspeed_json(tmp_path):
+    out = tmp_path / "full"
+    _launch(
+        "finetune_full.py",
+        "--zero_stage", "2",
+        "--zero_config", str(ROOT / "configs/zero/ds_zero2.json"),
+        "--output_dir", str(out),
+        "--max_steps", "20",
+        "--logging_steps", "10",
+        "--learning_rate", "3e-3",
+        "--save_strategy", "no",
+    )  # fmt: skip
+    losses = _losses(out)
+    assert losses[20] < losses[10]
+    fresh = _fresh_process_probe(
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"model = AutoModelForCausalLM.from_pretrained(r'{out}')\n"
+        f"tokenizer = AutoTokenizer.from_pretrained(r'{out}')",
+        out,
+    )
+    torch.testing.assert_close(fresh, torch.load(out / "probe_logits.pt"), rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_resume_continues_exactly(tmp_path):
+    flags = [
+        "--zero_stage", "3",
+        "--max_steps", "6",
+        "--save_steps", "3",
+        "--logging_steps", "1",
+        "--learning_rate", "1e-2",
+    ]  # fmt: skip
+    first, second = tmp_path / "first", tmp_path / "second"
+    _launch("finetune_lora.py", *flags, "--output_dir", str(first))
+    assert (first / "checkpoint-3" / "zero_rank00001.safetensors").is_file()
+    _launch(
+        "finetune_lora.py",
+        *flags,
+        "--output_dir", str(second),
+        "--resume_from_checkpoint", str(first / "checkpoint-3"),
+    )  # fmt: skip
+    uninterrupted, resumed = _losses(first), _losses(second)
+    # The resumed log starts with the checkpoint's history (steps 1-3), then its own steps.
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == [uninterrupted[s] for s in (4, 5, 6)]
+    # Not trivially equal: training moved the loss.
+    assert len({uninterrupted[s] for s in (4, 5, 6)}) == 3
+
+
+def test_bad_stage_fails_before_launching_anything(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes/finetune_lora.py"), "--zero_stage", "5"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "recipes")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0
+    assert "'stage' = 5 is not allowed; expected one of 0, 1, 2, 3" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (dict(zero_stage=5), r"'stage' = 5 is not allowed"),
+        (dict(zero_config="missing.yaml"), r"file 'missing.yaml' does not exist"),
+        (
+            dict(zero_config=str(ROOT / "configs/zero/stage3.yaml"), zero_stage=2),
+            r"--zero_stage 2 contradicts 'stage' = 3 in .*stage3.yaml",
+        ),
+        (
+            dict(zero_config=str(ROOT / "configs/zero/stage2.yaml"), max_grad_norm=0.5),
+            r"'gradient_clipping' = 1.0 in .*stage2.yaml contradicts the Trainer's arguments",
+        ),
+        (dict(offload_optimizer="disk"), r"'offload_optimizer' = 'disk' is not allowed"),
+    ],
+)
+def test_trainer_arguments_reject_bad_settings_without_a_process_group(tmp_path, flags, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroTrainingArguments(output_dir=str(tmp_path), **flags)
+    assert not dist.is_initialized()
+
+
+def test_precedence_cli_over_file_over_env(tmp_path, monkeypatch):
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text("stage: 1\noverlap_comm: false\nreduce_bucket_size: 1000\n")
+    monkeypatch.setenv("HF_ZERO_CONFIG", str(env_file))
+    args = ZeroTrainingArguments(output_dir=str(tmp_path))
+    assert (args.zero.stage, args.zero.overlap_comm) == (1, False)  # env alone
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_config=str(ROOT / "configs/zero/stage2.yaml"), bf16=True
+    )
+    assert args.zero.stage == 2 and args.zero.overlap_comm is True  # the file beats env
+    assert args.zero.reduce_bucket_size == 50_000_000
+    args = ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_stage=3, offload_optimizer="cpu", bf16=True
+    )
+    assert (args.zero.stage, args.zero.offload_optimizer) == (3, "cpu")  # CLI beats env
+    assert args.zero.precision == "bf16" and args.zero.reduce_bucket_size == 1000
+
+
+def test_accelerate_recipe_trains_and_resumes_from_save_state(tmp_path):
+    script = str(ROOT / "recipes" / "train_accelerate.py")
+    base = [*LAUNCH, "--config_file", CPU_2PROC, script, "--zero_stage", "2", "--steps", "20"]
+    _run([*base, "--output_dir", str(tmp_path), "--save_state_at", "10"])
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert (tmp_path / "state-10" / "zero_rank00001.safetensors").is_file()
+    resumed = tmp_path / "resumed"
+    _run([*base, "--output_dir", str(resumed), "--resume_from", str(tmp_path / "state-10")])
+    steps = [h["step"] for h in json.loads((resumed / "history.json").read_text())]
+    assert steps == list(range(11, 21))

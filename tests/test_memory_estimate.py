@@ -1,0 +1,60 @@
+"""The formulas in hf_zero.memory against memory_report() measured on real ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import batch, build_model
+
+import hf_zero
+from hf_zero.memory import model_state_bytes
+from hf_zero.testing import run_distributed
+
+
+def _measure(stage: int, precision: str, offload: bool) -> dict:
+    model = build_model()
+    # No frozen parameters and nothing persistent, so P is every parameter.
+    for p in model.parameters():
+        p.requires_grad_(True)
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        stage=stage,
+        precision=precision,
+        offload_optimizer="cpu" if offload else "none",
+        param_persistence_threshold=0,
+    )
+    x = batch(dist.get_rank(), 0, 0)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.optimizer.prepare_grads()  # offload: the host gradient copy has landed
+    after_backward = engine.memory_report()
+    engine.step()
+    after_step = engine.memory_report()
+    state = engine.optimizer.optimizer.state
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in state.values())
+    padded = sum(g.numel for g in engine.groups)
+    return {
+        "P": sum(p.numel() for p in model.parameters()),
+        "padding": padded - sum(p.numel() for g in engine.groups for p in g.params),
+        "grads": after_backward["grads"] + after_backward["host_grads"],
+        "after": after_step,
+        "steps": steps,
+    }
+
+
+@pytest.mark.parametrize(
+    ("stage", "precision", "offload"),
+    [(0, "bf16", False), (1, "bf16", False), (2, "bf16", False), (3, "bf16", False),
+     (3, "fp32", False), (2, "bf16", True), (3, "bf16", True)],
+)  # fmt: skip
+def test_estimate_matches_measured_memory(stage, precision, offload):
+    for r in run_distributed(_measure, 2, args=(stage, precision, offload)):
+        estimate = model_state_bytes(r["P"], 2, stage, precision, offload)
+        # Padding is the only difference: at most 8 x N elements per bucket, 16 bytes each.
+        slack = 16 * r["padding"] + r["steps"]
+        measured = dict(r["after"], grads=r["grads"], host_grads=0)
+        for kind in ("params", "master_weights", "optimizer_states", "host_master_weights"):
+            assert abs(measured[kind] - estimate[kind]) <= slack, (kind, measured, estimate)
+        expected_grads = estimate["grads"] + (4 * r["P"] / 2 if offload else 0)
+        assert abs(r["grads"] - expected_grads) <= slack
+        host = measured["host_optimizer_states"]
+        assert abs(host - estimate["host_optimizer_states"]) <= slack
