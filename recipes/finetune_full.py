@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from recipe_utils import load_model_and_tokenizer, make_lm_dataset, probe_logits, save_run_record
-from transformers import HfArgumentParser, default_data_collator
+from recipe_utils import load_model_and_tokenizer, make_lm_dataset, train_and_save
+from transformers import HfArgumentParser
 
-from hf_zero import ZeroTrainer, ZeroTrainingArguments
+from hf_zero import ZeroTrainingArguments
 
 logger = logging.getLogger("finetune_full")
 
@@ -38,18 +38,8 @@ def main(argv=None) -> None:
     model, tokenizer = load_model_and_tokenizer(data.model_name_or_path, seed=args.seed)
     with args.main_process_first(desc="tokenizing"):
         dataset = make_lm_dataset(tokenizer, data.block_size, data.dataset_name, data.text_file)
-    trainer = ZeroTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        data_collator=default_data_collator,
-        processing_class=tokenizer,
-    )
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(args.output_dir)
-    save_run_record(trainer, args.output_dir, probe_logits(model, tokenizer, trainer.args.device))
+    train_and_save(model, tokenizer, args, dataset)
     logger.info("saved the model to %s", args.output_dir)
-    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

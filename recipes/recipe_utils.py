@@ -50,6 +50,29 @@ def make_lm_dataset(tokenizer, block_size: int, dataset_name=None, text_file=Non
     return tokenized.map(group, batched=True, remove_columns=tokenized.column_names)
 
 
+def train_and_save(model, tokenizer, args, dataset) -> None:
+    """The Trainer part every Trainer recipe shares: train (or resume), save, record, tear down.
+
+    Also writes, on rank 0, the logits of a fixed probe and the log history, so that a fresh
+    process (the tests, or you) can check that what was saved reproduces the trained model.
+    """
+    from transformers import default_data_collator
+
+    from hf_zero import ZeroTrainer
+
+    trainer = ZeroTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model(args.output_dir)
+    save_run_record(trainer, args.output_dir, probe_logits(model, tokenizer, args.device))
+    trainer.accelerator.end_training()  # tears the process group down cleanly
+
+
 def save_run_record(trainer, output_dir: str, logits: torch.Tensor) -> None:
     """Rank 0: the probe logits and the Trainer's log history, for checking a run afterwards."""
     import json
