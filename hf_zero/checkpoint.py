@@ -1,83 +1,99 @@
-"""Sharded engine checkpoints: each rank writes and reads only its own shards.
+"""Sharded engine checkpoints: atomic, validated, and resharded on load.
 
-Layout of a checkpoint directory (plain tensors and JSON, no pickled classes)::
+Layout of a checkpoint directory (safetensors and JSON only: no pickled classes)::
 
-    zero_meta.json                  format version, world size, stage, bucket layouts,
+    zero_meta.json                  format version, world size, stage, precision, the partition
+                                    map (every bucket's parameters: name, shape, offset),
                                     optimizer hyperparameters, loss scale, step counters
-    zero_rank00000.safetensors      rank 0's fp32 master shards and optimizer state
+    zero_rank00000.safetensors      rank 0's fp32 master shards, optimizer state, RNG state
     zero_rank00001.safetensors      ...
+    COMPLETE                        written last: a directory without it is not a checkpoint
 
-Frozen parameters are not part of it: they come from the model's own weights. This version
-loads at the same world size and stage it saved (a mismatch is a ``ValueError`` naming both);
-resharding on load is listed in docs/STATUS.md as not implemented yet.
+Saving writes everything into ``<dir>.tmp``, fsyncs, and renames it to ``<dir>`` only after every
+rank has finished, so a crash or a killed rank never leaves a half-written ``<dir>`` and never
+touches an earlier checkpoint. Loading reads the partition map and, for this rank's new shard,
+only the slices of the old shard files that overlap it: a checkpoint saved at one world size and
+stage loads at another, with no conversion step. Frozen parameters are not part of it: they come
+from the model's own weights.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 if TYPE_CHECKING:
     from hf_zero.engine import ZeroEngine
+    from hf_zero.flat_group import FlatParamGroup
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META = "zero_meta.json"
+MARKER = "COMPLETE"
 
 
 def shard_file(rank: int) -> str:
     return f"zero_rank{rank:05d}.safetensors"
 
 
-def save_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
-    """Write this rank's shards, and (rank 0) the metadata. Collective."""
+def is_complete(directory: str | Path) -> bool:
+    return (Path(directory) / MARKER).is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# saving
+# ----------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    engine: ZeroEngine, directory: str | Path, keep_last: int | None = None
+) -> None:
+    """Write the checkpoint atomically (collective). ``keep_last`` prunes older siblings."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    optimizer = engine.optimizer.optimizer
-    tensors = {}
-    for group in engine.groups:
-        tensors[f"{group.index}.master"] = group.master.detach().to("cpu", copy=True)
-        for key, value in optimizer.state.get(group.master, {}).items():
-            if torch.is_tensor(value):
-                tensors[f"{group.index}.state.{key}"] = value.detach().to("cpu", copy=True)
-    save_file(tensors, str(directory / shard_file(engine.topology.rank)))
-    if engine.topology.rank == 0:
-        (directory / META).write_text(json.dumps(_meta(engine), indent=1))
+    tmp = directory.with_name(directory.name + ".tmp")
+    rank = engine.topology.rank
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    _write_safetensors(_rank_tensors(engine), tmp / shard_file(rank))
+    dist.barrier()  # every shard is on disk; a rank that died never gets past here
+    if rank == 0:
+        _write_text(tmp / META, json.dumps(_meta(engine), indent=1))
+        _write_text(tmp / MARKER, time.strftime("%Y-%m-%dT%H:%M:%S"))
+        _fsync_dir(tmp)
+        old = directory.with_name(directory.name + ".old")
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+        tmp.rename(directory)
+        _fsync_dir(directory.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        if keep_last:
+            _rotate(directory, keep_last)
     dist.barrier()
 
 
-def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
-    """Restore master weights, optimizer state and counters saved by `save_checkpoint`."""
-    directory = Path(directory)
-    meta_path = directory / META
-    if not meta_path.is_file():
-        raise ValueError(f"hf_zero: '{directory}' is not an hf_zero checkpoint (no {META})")
-    meta = json.loads(meta_path.read_text())
-    _check_compatible(engine, meta, directory)
-    path = directory / shard_file(engine.topology.rank)
-    if not path.is_file():
-        raise ValueError(f"hf_zero: checkpoint '{directory}' has no shard file {path.name}")
-    tensors = load_file(str(path))
+def _rank_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     optimizer = engine.optimizer.optimizer
-    with torch.no_grad():
-        for group in engine.groups:
-            group.master.copy_(tensors[f"{group.index}.master"])
-            prefix = f"{group.index}.state."
-            state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-            optimizer.state[group.master] = {
-                k: v.to(group.master.device) if v.dim() else v for k, v in state.items()
-            }
-            group.gather_params(async_op=False)  # parameters follow the restored masters
-    for param_group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-        for key, value in saved.items():
-            param_group[key] = tuple(value) if isinstance(value, list) else value
-    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    engine.global_steps = meta["global_steps"]
-    engine.skipped_steps = meta["skipped_steps"]
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    for group in engine.groups:
+        tensors[f"{group.index}.master"] = group.master.detach().to("cpu", torch.float32, copy=True)
+        for key, value in optimizer.state.get(group.master, {}).items():
+            if torch.is_tensor(value):
+                tensors[f"{group.index}.state.{key}"] = value.detach().to("cpu", copy=True)
+    return tensors
 
 
 def _meta(engine: ZeroEngine) -> dict:
@@ -85,9 +101,13 @@ def _meta(engine: ZeroEngine) -> dict:
         {
             "index": g.index,
             "param_group": g.param_group_index,
-            "names": g.names,
+            "num_shards": g.layout.num_shards,
             "padded_numel": g.layout.padded_numel,
             "shard_numel": g.layout.shard_numel,
+            "params": [
+                {"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape)}
+                for s in g.layout.slots
+            ],
         }
         for g in engine.groups
     ]
@@ -95,8 +115,11 @@ def _meta(engine: ZeroEngine) -> dict:
         {k: v for k, v in pg.items() if k != "params" and isinstance(v, (int, float, bool, tuple))}
         for pg in engine.optimizer.optimizer.param_groups
     ]
+    from hf_zero import __version__
+
     return {
         "format_version": FORMAT_VERSION,
+        "hf_zero_version": __version__,
         "world_size": engine.topology.dp_size,
         "stage": engine.config.stage,
         "precision": engine.config.precision,
@@ -108,27 +131,232 @@ def _meta(engine: ZeroEngine) -> dict:
     }
 
 
-def _check_compatible(engine: ZeroEngine, meta: dict, directory: Path) -> None:
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rotate(directory: Path, keep_last: int) -> None:
+    siblings = [
+        d
+        for d in directory.parent.iterdir()
+        if d.is_dir() and is_complete(d) and (d / META).is_file()
+    ]
+    siblings.sort(key=lambda d: (d / MARKER).stat().st_mtime)
+    for old in siblings[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(parent: str | Path) -> Path | None:
+    """The newest complete checkpoint directory under ``parent``; incomplete ones are skipped
+    with a warning naming them."""
+    found = []
+    for d in Path(parent).iterdir():
+        if not d.is_dir():
+            continue
+        if is_complete(d):
+            found.append(d)
+        elif (d / META).exists() or any(d.glob("zero_rank*.safetensors")):
+            warnings.warn(
+                f"hf_zero: ignoring incomplete checkpoint {d} (no {MARKER})", stacklevel=2
+            )
+    return max(found, key=lambda d: (d / MARKER).stat().st_mtime) if found else None
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+
+
+def read_meta(directory: str | Path) -> dict:
+    """Validate a checkpoint directory and return its metadata."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"hf_zero: checkpoint '{directory}' does not exist")
+    if not is_complete(directory):
+        raise ValueError(
+            f"hf_zero: '{directory}' is not a complete checkpoint (no {MARKER} marker: the save "
+            "did not finish)"
+        )
+    meta = json.loads((directory / META).read_text())
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(
             f"hf_zero: checkpoint '{directory}' has format_version {meta['format_version']}; this "
-            f"version reads up to {FORMAT_VERSION}: upgrade hf_zero"
+            f"hf_zero ({FORMAT_VERSION}) is older than the one that wrote it: upgrade hf_zero"
         )
-    expected = {"world_size": engine.topology.dp_size, "stage": engine.config.stage}
-    for key, value in expected.items():
-        if meta[key] != value:
-            raise ValueError(
-                f"hf_zero: checkpoint '{directory}' was saved with {key} = {meta[key]}, this run "
-                f"has {key} = {value}; resume with {key} = {meta[key]} (resharding on load is not "
-                "implemented yet)"
-            )
-    saved = [(g["names"], g["padded_numel"]) for g in meta["groups"]]
-    mine = [(g.names, g.layout.padded_numel) for g in engine.groups]
-    if saved != mine:
-        missing = sorted({n for names, _ in saved for n in names} - {n for g in mine for n in g[0]})
-        extra = sorted({n for g in mine for n in g[0]} - {n for names, _ in saved for n in names})
+    if meta.get("format_version", 0) < FORMAT_VERSION:
         raise ValueError(
-            f"hf_zero: checkpoint '{directory}' does not match this model's buckets; parameters "
-            f"only in the checkpoint: {missing[:5]}, only in the model: {extra[:5]} (same model, "
-            "optimizer param groups and reduce_bucket_size are needed)"
+            f"hf_zero: checkpoint '{directory}' has format_version {meta.get('format_version')}; "
+            f"this hf_zero reads format {FORMAT_VERSION}"
+        )
+    from hf_zero.consolidate import SafetensorsSliceReader
+
+    for rank in range(meta["world_size"]):
+        path = directory / shard_file(rank)
+        if not path.is_file():
+            raise ValueError(f"hf_zero: checkpoint '{directory}' is missing {path.name}")
+        SafetensorsSliceReader(path)  # header and size check: a truncated file fails by name
+    return meta
+
+
+class ShardReader:
+    """Reads slices of the old flat shards, opening each rank's file only when needed."""
+
+    def __init__(self, directory: Path, meta: dict) -> None:
+        self.directory = directory
+        self.meta = meta
+        self._files: dict[int, object] = {}
+        self.where = {}  # parameter name -> (old group, old slot)
+        for group in meta["groups"]:
+            for slot in group["params"]:
+                self.where[slot["name"]] = (group, slot)
+
+    def file(self, rank: int):
+        if rank not in self._files:
+            path = self.directory / shard_file(rank)
+            try:
+                self._files[rank] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as error:
+                raise ValueError(
+                    f"hf_zero: cannot read {path} (truncated or corrupt?): {error}"
+                ) from error
+        return self._files[rank]
+
+    def read(self, name: str, key: str, start: int, count: int) -> torch.Tensor | None:
+        """Elements ``[start, start + count)`` of parameter ``name``'s ``key`` ("master" or
+        "state.exp_avg", ...), flattened, gathered from whichever old shards hold them."""
+        group, slot = self.where[name]
+        flat_lo = slot["offset"] + start
+        flat_hi = flat_lo + count
+        shard = group["shard_numel"]
+        num_shards = group["num_shards"]
+        pieces = []
+        first = flat_lo // shard if num_shards > 1 else 0
+        last = (flat_hi - 1) // shard if num_shards > 1 else 0
+        for rank in range(first, last + 1):
+            base = rank * shard if num_shards > 1 else 0
+            lo, hi = max(flat_lo, base) - base, min(flat_hi, base + shard) - base
+            handle = self.file(rank)
+            tensor_key = f"{group['index']}.{key}"
+            if tensor_key not in handle.keys():  # noqa: SIM118
+                return None
+            try:
+                pieces.append(handle.get_slice(tensor_key)[lo:hi])
+            except Exception as error:
+                raise ValueError(
+                    f"hf_zero: cannot read {tensor_key} from "
+                    f"{self.directory / shard_file(rank)} (truncated or corrupt?): {error}"
+                ) from error
+        return torch.cat(pieces)
+
+    def scalar(self, name: str, key: str) -> torch.Tensor | None:
+        group, _ = self.where[name]
+        handle = self.file(0)
+        tensor_key = f"{group['index']}.{key}"
+        if tensor_key not in handle.keys():  # noqa: SIM118
+            return None
+        # A copy: safetensors may hand out views of one mapped buffer, and optimizers update
+        # step counters in place, so two buckets must never share one.
+        return handle.get_tensor(tensor_key).clone()
+
+
+def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
+    """Restore master weights, optimizer state and counters, resharding to this run's layout."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    reader = ShardReader(directory, meta)
+    _check_same_model(engine, meta, directory)
+    optimizer = engine.optimizer.optimizer
+    state_keys = _state_keys(meta, reader)
+    with torch.no_grad():
+        for group in engine.groups:
+            _load_group(group, reader, optimizer, state_keys)
+            group.gather_params(async_op=False)  # parameters follow the restored masters
+    for param_group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        for key, value in saved.items():
+            param_group[key] = tuple(value) if isinstance(value, list) else value
+    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    engine.global_steps = meta["global_steps"]
+    engine.skipped_steps = meta["skipped_steps"]
+    if meta["world_size"] == engine.topology.dp_size:
+        own = reader.file(engine.topology.rank)
+        torch.set_rng_state(own.get_tensor("rng.torch"))
+        if torch.cuda.is_available() and "rng.cuda" in own.keys():  # noqa: SIM118
+            torch.cuda.set_rng_state(own.get_tensor("rng.cuda"))
+
+
+def _state_keys(meta: dict, reader: ShardReader) -> tuple[list[str], list[str]]:
+    """(elementwise state keys, scalar state keys) present in the checkpoint."""
+    handle = reader.file(0)
+    first = meta["groups"][0]["index"] if meta["groups"] else None
+    prefix = f"{first}.state."
+    keys = [k[len(prefix) :] for k in handle.keys() if k.startswith(prefix)]  # noqa: SIM118
+    shard = meta["groups"][0]["shard_numel"] if meta["groups"] else 0
+    elementwise = [k for k in keys if handle.get_slice(f"{first}.state.{k}").get_shape() == [shard]]
+    scalars = [k for k in keys if k not in elementwise]
+    return elementwise, scalars
+
+
+def _load_group(group: FlatParamGroup, reader: ShardReader, optimizer, state_keys) -> None:
+    elementwise, scalars = state_keys
+    new_master = torch.zeros(group.layout.shard_numel, dtype=torch.float32)
+    new_state: dict[str, torch.Tensor] = {}
+    for piece in group.layout.shard_pieces(group.shard_index):
+        name = piece.slot.name
+        lo, hi = piece.shard_start, piece.shard_start + piece.numel
+        new_master[lo:hi] = reader.read(name, "master", piece.param_start, piece.numel)
+        for key in elementwise:
+            values = reader.read(name, f"state.{key}", piece.param_start, piece.numel)
+            if values is not None:
+                if key not in new_state:  # keep the saved dtype (bf16 Adam state stays bf16)
+                    new_state[key] = torch.zeros(group.layout.shard_numel, dtype=values.dtype)
+                new_state[key][lo:hi] = values
+    group.master.copy_(new_master)
+    first_name = group.layout.slots[0].name
+    state = {key: value.to(group.master.device) for key, value in new_state.items()}
+    for key in scalars:
+        value = reader.scalar(first_name, f"state.{key}")
+        if value is not None:
+            state[key] = value
+    if state:
+        optimizer.state[group.master] = state
+
+
+def _check_same_model(engine: ZeroEngine, meta: dict, directory: Path) -> None:
+    saved = {
+        slot["name"]: tuple(slot["shape"]) for group in meta["groups"] for slot in group["params"]
+    }
+    mine = {slot.name: tuple(slot.shape) for g in engine.groups for slot in g.layout.slots}
+    missing = sorted(mine.keys() - saved.keys())
+    extra = sorted(saved.keys() - mine.keys())
+    reshaped = sorted(n for n in mine.keys() & saved.keys() if mine[n] != saved[n])
+    if missing or extra or reshaped:
+        details = []
+        if missing:
+            details.append(f"not in the checkpoint: {missing[:8]}")
+        if extra:
+            details.append(f"only in the checkpoint: {extra[:8]}")
+        if reshaped:
+            details.append(
+                "shapes differ: " + ", ".join(f"{n} {saved[n]} -> {mine[n]}" for n in reshaped[:8])
+            )
+        raise ValueError(
+            f"hf_zero: checkpoint '{directory}' does not match this model's trainable "
+            f"parameters; " + "; ".join(details)
         )

@@ -30,6 +30,28 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from hf_zero.consolidate import consolidate
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        files = consolidate(
+            args.checkpoint,
+            args.output,
+            dtype=dtype,
+            adapter_only=args.adapter_only,
+            max_shard_bytes=int(args.max_shard_size_gb * 2**30),
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for path in files:
+        print(path)
+    return 0
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     import accelerate
     import torch
@@ -63,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", help="hf_zero YAML/JSON or DeepSpeed JSON")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
     p.set_defaults(func=_cmd_config)
+    p = sub.add_parser(
+        "consolidate", help="sharded engine checkpoint -> Hugging Face safetensors (streamed)"
+    )
+    p.add_argument("checkpoint", help="a directory written by engine.save_checkpoint")
+    p.add_argument("output", help="directory for model.safetensors (or adapter_model.safetensors)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--adapter-only", action="store_true", help="LoRA weights, PEFT key names")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    p.set_defaults(func=_cmd_consolidate)
     p = sub.add_parser("env", help="print versions and devices")
     p.set_defaults(func=_cmd_env)
     args = parser.parse_args(argv)

@@ -402,12 +402,16 @@ class ZeroEngine:
                 state[key] = tensor.detach().to("cpu", copy=True)
         return state
 
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Write this rank's master shards and optimizer state (collective); see `checkpoint`."""
-        checkpoint.save_checkpoint(self, directory)
+    def save_checkpoint(self, directory: str | Path, keep_last: int | None = None) -> None:
+        """Write master shards and optimizer state, one file per rank, atomically (collective).
+
+        ``directory`` is replaced as a whole once every rank has written; ``keep_last`` deletes
+        the oldest complete checkpoints next to it beyond that many. See `hf_zero.checkpoint`.
+        """
+        checkpoint.save_checkpoint(self, directory, keep_last)
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote, at the same world size and stage."""
+        """Restore what `save_checkpoint` wrote, at any world size and stage (resharded)."""
         checkpoint.load_checkpoint(self, directory)
 
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):

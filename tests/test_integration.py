@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from hf_zero.integrations.trainer import ZeroTrainingArguments
 
@@ -121,13 +122,26 @@ def test_trainer_resume_continues_exactly(tmp_path):
     ]  # fmt: skip
     first, second = tmp_path / "first", tmp_path / "second"
     _launch("finetune_lora.py", *flags, "--output_dir", str(first))
-    assert (first / "checkpoint-3" / "zero_rank00001.safetensors").is_file()
+    assert (first / "checkpoint-3" / "zero" / "zero_rank00001.safetensors").is_file()
     _launch(
         "finetune_lora.py",
         *flags,
         "--output_dir", str(second),
         "--resume_from_checkpoint", str(first / "checkpoint-3"),
     )  # fmt: skip
+    # The engine checkpoint consolidates to the same adapter the Trainer saved (fp32 run).
+    from hf_zero.cli import main as hf_zero_cli
+
+    out = tmp_path / "consolidated"
+    assert (
+        hf_zero_cli(
+            ["consolidate", str(first / "checkpoint-3" / "zero"), str(out), "--adapter-only"]
+        )
+        == 0
+    )
+    ours = load_file(str(out / "adapter_model.safetensors"))
+    trainers = load_file(str(first / "checkpoint-3" / "adapter_model.safetensors"))
+    assert ours.keys() == trainers.keys() and all(torch.equal(ours[k], trainers[k]) for k in ours)
     uninterrupted, resumed = _losses(first), _losses(second)
     # The resumed log starts with the checkpoint's history (steps 1-3), then its own steps.
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
@@ -196,7 +210,7 @@ def test_accelerate_recipe_trains_and_resumes_from_save_state(tmp_path):
     _run([*base, "--output_dir", str(tmp_path), "--save_state_at", "10"])
     history = json.loads((tmp_path / "history.json").read_text())
     assert history[-1]["loss"] < history[0]["loss"]
-    assert (tmp_path / "state-10" / "zero_rank00001.safetensors").is_file()
+    assert (tmp_path / "state-10" / "zero" / "zero_rank00001.safetensors").is_file()
     resumed = tmp_path / "resumed"
     _run([*base, "--output_dir", str(resumed), "--resume_from", str(tmp_path / "state-10")])
     steps = [h["step"] for h in json.loads((resumed / "history.json").read_text())]

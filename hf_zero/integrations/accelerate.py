@@ -202,7 +202,7 @@ class ZeroAccelerator(Accelerator):
         if self.engine is None:
             return super().save_state(output_dir, **kwargs)
         output_dir = Path(output_dir or self.project_configuration.project_dir or "checkpoint")
-        self.engine.save_checkpoint(output_dir)
+        self.engine.save_checkpoint(output_dir / "zero")
         if self.is_main_process:
             for i, scheduler in enumerate(self._schedulers):
                 torch.save(scheduler.state_dict(), output_dir / f"scheduler_{i}.pt")
@@ -214,7 +214,7 @@ class ZeroAccelerator(Accelerator):
         if self.engine is None:
             return super().load_state(input_dir, **kwargs)
         input_dir = Path(input_dir)
-        self.engine.load_checkpoint(input_dir)
+        self.engine.load_checkpoint(input_dir / "zero")
         for i, scheduler in enumerate(self._schedulers):
             scheduler.load_state_dict(
                 torch.load(input_dir / f"scheduler_{i}.pt", weights_only=True)

@@ -22,6 +22,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from hf_zero.config import AUTO, ENV_VAR, ZeroConfig, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 
+ZERO_DIR = "zero"  # the engine's sharded checkpoint inside a Trainer checkpoint directory
+
 # --flag -> ZeroConfig field
 FLAGS = {
     "zero_stage": "stage",
@@ -155,14 +157,14 @@ class ZeroTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.engine.save_checkpoint(output_dir)
+        self.engine.save_checkpoint(os.path.join(output_dir, ZERO_DIR))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        self.engine.load_checkpoint(checkpoint)
+        self.engine.load_checkpoint(os.path.join(checkpoint, ZERO_DIR))
         scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
         self.lr_scheduler.load_state_dict(scheduler)
 
