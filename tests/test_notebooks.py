@@ -1,5 +1,7 @@
 """The notebooks run top to bottom (their cells assert what they claim)."""
 
+import os
+import sys
 from pathlib import Path
 
 import nbformat
@@ -14,6 +16,8 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # a notebook is one process
+    # The kernel must be this interpreter (the test's venv), whatever PATH says.
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     notebook = nbformat.read(path, as_version=4)
     NotebookClient(
         notebook,

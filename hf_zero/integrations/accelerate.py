@@ -196,6 +196,12 @@ class ZeroAccelerator(Accelerator):
             return super().get_state_dict(model, unwrap)
         return self.engine.full_state_dict()
 
+    def end_training(self) -> None:
+        """Wait for every rank, then tear the process group down (as Accelerate does)."""
+        if self.num_processes > 1:
+            self.wait_for_everyone()  # no rank may leave while another still communicates
+        super().end_training()
+
     # --- save_state / load_state -------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, **kwargs) -> str:
         """Sharded engine checkpoint (per-rank files), schedulers and RNG states."""
