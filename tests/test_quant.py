@@ -1,0 +1,48 @@
+"""Blockwise INT8/INT4 quantization: round-trip error within half a quantization step, for
+bf16, fp16 and fp32 inputs, sizes that do not divide the block, and all-zero blocks."""
+
+import pytest
+import torch
+
+from hf_zero.quant import QMAX, dequantize, quantize
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_round_trip_within_half_a_step(bits, dtype, block_size):
+    torch.manual_seed(0)
+    # Blocks of very different magnitudes, a size that needs padding, and an all-zero block.
+    x = torch.randn(10_001) * torch.logspace(-3, 2, 10_001)
+    x[:block_size] = 0
+    x = x.to(dtype)
+    q = quantize(x, bits=bits, block_size=block_size)
+    back = dequantize(q, torch.float32)
+    assert back.shape == (x.numel(),)
+    exact = x.float()
+    step = q.scales.repeat_interleave(block_size)[: x.numel()]
+    # Half a step, plus fp32 rounding of the scale products (a few ulps of |x|).
+    assert torch.all((back - exact).abs() <= step / 2 + exact.abs() * 1e-6 + 1e-30)
+    assert torch.equal(back[:block_size], torch.zeros(block_size))
+    # Relative error of the whole tensor, as the quantized all-gather will see it.
+    rel = ((back - exact).norm() / exact.norm()).item()
+    assert rel < {8: 0.01, 4: 0.15}[bits]
+    assert back.abs().max() <= exact.abs().max() * (1 + 1e-6)
+    assert dequantize(q, dtype).dtype == dtype
+
+
+def test_payload_sizes():
+    x = torch.randn(1000)
+    q8, q4 = quantize(x, 8, 100), quantize(x, 4, 100)
+    assert q8.data.dtype == torch.int8 and q8.data.numel() == 1000
+    assert q4.data.dtype == torch.uint8 and q4.data.numel() == 500  # two values per byte
+    assert q8.scales.numel() == q4.scales.numel() == 10
+    assert q8.nbytes == 1000 + 40 and q4.nbytes == 500 + 40
+    assert int(quantize(torch.tensor([1.0, -1.0]), 8, 2).data.abs().max()) == QMAX[8]
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="bits = 3; allowed: 8, 4"):
+        quantize(torch.zeros(4), bits=3)
+    with pytest.raises(ValueError, match="block_size = 3 must be an even integer"):
+        quantize(torch.zeros(4), block_size=3)
