@@ -52,6 +52,40 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count_params(args: argparse.Namespace) -> int:
+    if args.params is not None:
+        return int(float(args.params))
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model_config)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from hf_zero.memory import model_state_bytes
+
+    if (args.params is None) == (args.model_config is None):
+        print("error: give exactly one of --params or --model-config", file=sys.stderr)
+        return 2
+    params = _count_params(args)
+    gib = 2**30
+    print(f"{params:,} parameters, {args.dp} data-parallel ranks, {args.precision}, Adam")
+    print(f"{'stage':>5} {'offload':>8} {'device GiB':>11} {'host GiB':>9}")
+    for stage in (0, 1, 2, 3):
+        for offload in (False, True):
+            if offload and stage == 0:
+                continue
+            m = model_state_bytes(params, args.dp, stage, args.precision, offload)
+            print(
+                f"{stage:>5} {offload!s:>8} {m['total'] / gib:>11.2f} {m['host_total'] / gib:>9.2f}"
+            )
+    print("model states only (parameters, gradients, master weights, Adam); add activations")
+    return 0
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     import accelerate
     import torch
@@ -94,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter-only", action="store_true", help="LoRA weights, PEFT key names")
     p.add_argument("--max-shard-size-gb", type=float, default=5.0)
     p.set_defaults(func=_cmd_consolidate)
+    p = sub.add_parser("estimate", help="per-rank model-state memory of each ZeRO stage")
+    p.add_argument("--params", help="parameter count, e.g. 7e9")
+    p.add_argument("--model-config", help="a local model directory or config.json")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.set_defaults(func=_cmd_estimate)
     p = sub.add_parser("env", help="print versions and devices")
     p.set_defaults(func=_cmd_env)
     args = parser.parse_args(argv)

@@ -25,3 +25,17 @@ def test_config_reports_errors(tmp_path, capsys):
 def test_env(capsys):
     assert main(["env"]) == 0
     assert "torch" in capsys.readouterr().out
+
+
+def test_estimate_from_a_count_and_from_a_local_config(tmp_path, capsys):
+    from hf_zero.memory import model_state_bytes
+    from hf_zero.tiny import tiny_llama_config
+
+    assert main(["estimate", "--params", "7e9", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    stage3 = model_state_bytes(7e9, 8, 3, "bf16")["total"] / 2**30
+    assert f"    3    False {stage3:>11.2f}" in out
+    tiny_llama_config().save_pretrained(tmp_path)
+    assert main(["estimate", "--model-config", str(tmp_path)]) == 0
+    assert "90,432 parameters" in capsys.readouterr().out  # counted on the meta device
+    assert main(["estimate"]) == 2
