@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
@@ -205,8 +205,6 @@ def read_meta(directory: str | Path) -> dict:
             f"hf_zero: checkpoint '{directory}' has format_version {meta.get('format_version')}; "
             f"this hf_zero reads format {FORMAT_VERSION}"
         )
-    from hf_zero.consolidate import SafetensorsSliceReader
-
     for rank in range(meta["world_size"]):
         path = directory / shard_file(rank)
         if not path.is_file():
@@ -215,65 +213,111 @@ def read_meta(directory: str | Path) -> dict:
     return meta
 
 
+CODE_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "U8": torch.uint8,
+    "I64": torch.int64,
+}
+
+
+class SafetensorsSliceReader:
+    """Reads a safetensors file with positioned reads: no memory map, so pages of the file never
+    pile up in the process, and a truncated file is reported by name when it is opened."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"hf_zero: {path} is truncated (no safetensors header)")
+            (size,) = struct.unpack("<Q", raw)
+            header = f.read(size)
+            if len(header) != size:
+                raise ValueError(f"hf_zero: {path} is truncated (incomplete header)")
+        self.header = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+        self.data_start = 8 + size
+        file_size = path.stat().st_size
+        end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
+        if self.data_start + end > file_size:
+            raise ValueError(
+                f"hf_zero: {path} is truncated: {file_size} bytes, header promises "
+                f"{self.data_start + end}"
+            )
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, key: str) -> list[int]:
+        return self.header[key]["shape"]
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``key``, flattened."""
+        entry = self.header[key]
+        dtype = CODE_DTYPES[entry["dtype"]]
+        out = torch.empty(stop - start, dtype=dtype)
+        itemsize = out.element_size()
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + entry["data_offsets"][0] + start * itemsize)
+            f.readinto(memoryview(out.view(torch.uint8).numpy()))
+        return out
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key``, in its shape (a fresh copy, never a view of the file)."""
+        shape = self.shape(key)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        return self.read(key, 0, numel).view(shape)
+
+
 class ShardReader:
-    """Reads slices of the old flat shards, opening each rank's file only when needed."""
+    """Reads any element range of a parameter's saved values, from whichever old shards hold
+    it; each rank's file is opened on first use. Shared by resharding load and consolidation."""
 
     def __init__(self, directory: Path, meta: dict) -> None:
         self.directory = directory
         self.meta = meta
-        self._files: dict[int, object] = {}
+        self._files: dict[int, SafetensorsSliceReader] = {}
         self.where = {}  # parameter name -> (old group, old slot)
         for group in meta["groups"]:
             for slot in group["params"]:
                 self.where[slot["name"]] = (group, slot)
 
-    def file(self, rank: int):
+    def file(self, rank: int) -> SafetensorsSliceReader:
         if rank not in self._files:
-            path = self.directory / shard_file(rank)
-            try:
-                self._files[rank] = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as error:
-                raise ValueError(
-                    f"hf_zero: cannot read {path} (truncated or corrupt?): {error}"
-                ) from error
+            self._files[rank] = SafetensorsSliceReader(self.directory / shard_file(rank))
         return self._files[rank]
 
     def read(self, name: str, key: str, start: int, count: int) -> torch.Tensor | None:
         """Elements ``[start, start + count)`` of parameter ``name``'s ``key`` ("master" or
-        "state.exp_avg", ...), flattened, gathered from whichever old shards hold them."""
+        "state.exp_avg", ...), flattened; ``None`` if the checkpoint has no such tensor."""
         group, slot = self.where[name]
-        flat_lo = slot["offset"] + start
-        flat_hi = flat_lo + count
+        tensor_key = f"{group['index']}.{key}"
+        if tensor_key not in self.file(0).header:
+            return None
+        lo = slot["offset"] + start
+        hi = lo + count
         shard = group["shard_numel"]
-        num_shards = group["num_shards"]
+        if group["num_shards"] == 1:
+            return self.file(0).read(tensor_key, lo, hi)  # stage 0: every rank saved it all
         pieces = []
-        first = flat_lo // shard if num_shards > 1 else 0
-        last = (flat_hi - 1) // shard if num_shards > 1 else 0
-        for rank in range(first, last + 1):
-            base = rank * shard if num_shards > 1 else 0
-            lo, hi = max(flat_lo, base) - base, min(flat_hi, base + shard) - base
-            handle = self.file(rank)
-            tensor_key = f"{group['index']}.{key}"
-            if tensor_key not in handle.keys():  # noqa: SIM118
-                return None
-            try:
-                pieces.append(handle.get_slice(tensor_key)[lo:hi])
-            except Exception as error:
-                raise ValueError(
-                    f"hf_zero: cannot read {tensor_key} from "
-                    f"{self.directory / shard_file(rank)} (truncated or corrupt?): {error}"
-                ) from error
-        return torch.cat(pieces)
+        for rank in range(lo // shard, (hi - 1) // shard + 1):
+            base = rank * shard
+            pieces.append(
+                self.file(rank).read(tensor_key, max(lo, base) - base, min(hi, base + shard) - base)
+            )
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def scalar(self, name: str, key: str) -> torch.Tensor | None:
         group, _ = self.where[name]
-        handle = self.file(0)
         tensor_key = f"{group['index']}.{key}"
-        if tensor_key not in handle.keys():  # noqa: SIM118
+        if tensor_key not in self.file(0).header:
             return None
-        # A copy: safetensors may hand out views of one mapped buffer, and optimizers update
-        # step counters in place, so two buckets must never share one.
-        return handle.get_tensor(tensor_key).clone()
+        # A fresh tensor per call: optimizers update step counters in place, so two buckets
+        # must never share one.
+        return self.file(0).tensor(tensor_key)
 
 
 def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
@@ -296,9 +340,9 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
     engine.skipped_steps = meta["skipped_steps"]
     if meta["world_size"] == engine.topology.dp_size:
         own = reader.file(engine.topology.rank)
-        torch.set_rng_state(own.get_tensor("rng.torch"))
-        if torch.cuda.is_available() and "rng.cuda" in own.keys():  # noqa: SIM118
-            torch.cuda.set_rng_state(own.get_tensor("rng.cuda"))
+        torch.set_rng_state(own.tensor("rng.torch"))
+        if torch.cuda.is_available() and "rng.cuda" in own.header:
+            torch.cuda.set_rng_state(own.tensor("rng.cuda"))
 
 
 def _state_keys(meta: dict, reader: ShardReader) -> tuple[list[str], list[str]]:
@@ -306,9 +350,9 @@ def _state_keys(meta: dict, reader: ShardReader) -> tuple[list[str], list[str]]:
     handle = reader.file(0)
     first = meta["groups"][0]["index"] if meta["groups"] else None
     prefix = f"{first}.state."
-    keys = [k[len(prefix) :] for k in handle.keys() if k.startswith(prefix)]  # noqa: SIM118
+    keys = [k[len(prefix) :] for k in handle.header if k.startswith(prefix)]
     shard = meta["groups"][0]["shard_numel"] if meta["groups"] else 0
-    elementwise = [k for k in keys if handle.get_slice(f"{first}.state.{k}").get_shape() == [shard]]
+    elementwise = [k for k in keys if handle.shape(f"{first}.state.{k}") == [shard]]
     scalars = [k for k in keys if k not in elementwise]
     return elementwise, scalars
 

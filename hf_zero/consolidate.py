@@ -1,7 +1,8 @@
 """``hf-zero consolidate``: a sharded engine checkpoint -> Hugging Face safetensors, streamed.
 
-Each parameter is assembled from the per-rank shard files with plain positioned reads (no
-memory map, so pages of the inputs never pile up in this process) and appended to the output
+Each parameter is assembled from the per-rank shard files by `checkpoint.ShardReader` (plain
+positioned reads, no memory map, so pages of the inputs never pile up in this process) and
+appended to the output
 file, whose header is computed up front. Peak memory is one parameter plus small buffers,
 whatever the model size. Outputs above ``max_shard_bytes`` are split into several files with a
 ``model.safetensors.index.json``, as ``save_pretrained`` does.
@@ -20,46 +21,9 @@ from pathlib import Path
 
 import torch
 
-from hf_zero.checkpoint import read_meta, shard_file
+from hf_zero.checkpoint import CODE_DTYPES, ShardReader, read_meta
 
-_DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_CODE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-class SafetensorsSliceReader:
-    """Reads element ranges of 1-D tensors in a safetensors file with seek + read."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"hf_zero: {path} is truncated (no safetensors header)")
-            (size,) = struct.unpack("<Q", raw)
-            header = f.read(size)
-            if len(header) != size:
-                raise ValueError(f"hf_zero: {path} is truncated (incomplete header)")
-        self.header = json.loads(header)
-        self.data_start = 8 + size
-        file_size = path.stat().st_size
-        end = max(
-            (v["data_offsets"][1] for k, v in self.header.items() if k != "__metadata__"), default=0
-        )
-        if self.data_start + end > file_size:
-            raise ValueError(
-                f"hf_zero: {path} is truncated: {file_size} bytes, header promises "
-                f"{self.data_start + end}"
-            )
-
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        entry = self.header[key]
-        dtype = _CODE_DTYPES[entry["dtype"]]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        out = torch.empty(stop - start, dtype=dtype)
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + entry["data_offsets"][0] + start * itemsize)
-            f.readinto(memoryview(out.view(torch.uint8).numpy()))
-        return out
+_DTYPE_CODES = {dtype: code for code, dtype in CODE_DTYPES.items()}
 
 
 class StreamingSafetensorsWriter:
@@ -102,24 +66,19 @@ def consolidate(
 ) -> list[Path]:
     """Write the checkpoint's parameters as Hugging Face safetensors; returns the files."""
     checkpoint, output = Path(checkpoint), Path(output)
-    meta = read_meta(checkpoint)
-    readers: dict[int, SafetensorsSliceReader] = {}
+    reader = ShardReader(checkpoint, read_meta(checkpoint))
+    meta = reader.meta
 
-    def reader(rank: int) -> SafetensorsSliceReader:
-        if rank not in readers:
-            readers[rank] = SafetensorsSliceReader(checkpoint / shard_file(rank))
-        return readers[rank]
-
-    params = [(group, slot) for group in meta["groups"] for slot in group["params"]]
+    params = [slot for group in meta["groups"] for slot in group["params"]]
     if adapter_only:
-        params = [(g, s) for g, s in params if ".lora_" in s["name"]]
+        params = [s for s in params if ".lora_" in s["name"]]
         if not params:
             raise ValueError(f"hf_zero: --adapter-only: no LoRA parameters in {checkpoint}")
-    entries = [(_output_name(s["name"], adapter_only), dtype, tuple(s["shape"])) for _, s in params]
+    entries = [(_output_name(s["name"], adapter_only), dtype, tuple(s["shape"])) for s in params]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     files: list[list[int]] = [[]]
     size = 0
-    for i, (_, s) in enumerate(params):
+    for i, s in enumerate(params):
         nbytes = s["numel"] * itemsize
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
@@ -138,8 +97,9 @@ def consolidate(
     for file_name, indices in zip(names, files):
         writer = StreamingSafetensorsWriter(output / file_name, [entries[i] for i in indices])
         for i in indices:
-            group, slot = params[i]
-            values = _read_param(reader, group, slot).to(dtype).view(tuple(slot["shape"]))
+            slot = params[i]
+            values = reader.read(slot["name"], "master", 0, slot["numel"])
+            values = values.to(dtype).view(tuple(slot["shape"]))
             writer.write(entries[i][0], values)
             weight_map[entries[i][0]] = file_name
             del values
@@ -152,19 +112,6 @@ def consolidate(
         }
         (output / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return written
-
-
-def _read_param(reader, group: dict, slot: dict) -> torch.Tensor:
-    shard, num_shards = group["shard_numel"], group["num_shards"]
-    lo, hi = slot["offset"], slot["offset"] + slot["numel"]
-    key = f"{group['index']}.master"
-    if num_shards == 1:
-        return reader(0).read(key, lo, hi)
-    pieces = []
-    for rank in range(lo // shard, (hi - 1) // shard + 1):
-        base = rank * shard
-        pieces.append(reader(rank).read(key, max(lo, base) - base, min(hi, base + shard) - base))
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def _output_name(name: str, adapter_only: bool) -> str:

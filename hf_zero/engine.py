@@ -197,7 +197,8 @@ class ZeroEngine:
         # Gradients become ready roughly in reverse order of registration.
         items = [(group_of[id(p)], p) for p in reversed(replicated)]
         stage = min(self.config.stage, 2)
-        groups += [make(pg, params, stage) for pg, params in bucket_params(items, self.bucket)]
+        buckets = bucket_params(items, self.config.reduce_bucket_size)
+        groups += [make(pg, params, stage) for pg, params in buckets]
         # Reductions launch in the order buckets complete: when their earliest parameter is done.
         position = {id(p): i for i, p in enumerate(ordered)}
         groups.sort(key=lambda g: -min(position[id(p)] for p in g.params))
@@ -225,10 +226,6 @@ class ZeroEngine:
                 unit.groups.append(group)
                 (groups if pg is not None else self.frozen_groups).append(group)
         return groups
-
-    @property
-    def bucket(self) -> int:
-        return self.config.reduce_bucket_size
 
     def _cast_other_params(self) -> None:
         """Cast parameters outside the buckets (frozen ones) to the compute dtype."""
@@ -390,9 +387,7 @@ class ZeroEngine:
                         values[id(p)] = source.detach().view(slot.shape).to("cpu", copy=True)
         if not keep:
             return {}
-        names = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            names[name] = p
+        names = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
         for key, tensor in self.module.state_dict(keep_vars=True).items():
             p = names.get(key)
@@ -438,7 +433,7 @@ def gathered_parameters(params, modifier_rank: int | None = None) -> Iterator[No
         if modifier_rank is not None:
             with torch.no_grad():
                 for group in groups:
-                    _write_back(group, modifier_rank)
+                    group.publish_from(modifier_rank)
 
 
 def _numel(param: torch.Tensor) -> int:
@@ -449,17 +444,6 @@ def _numel(param: torch.Tensor) -> int:
 
 def _group_of(param: torch.Tensor) -> FlatParamGroup | None:
     return getattr(param, "_hf_zero_group", None)
-
-
-def _write_back(group: FlatParamGroup, src: int) -> None:
-    """Broadcast ``group``'s full parameters from global rank ``src``; refresh shards and master."""
-    flat = group.flat_param
-    group.comm.broadcast(flat, src, group.shard_group)
-    start, end = group.layout.shard_range(group.shard_index)
-    if group.shard is not None:
-        group.shard.copy_(flat[start:end])
-    if group.master is not None and not group.master_aliases_params:
-        group.master.data.copy_(flat[start:end].float())
 
 
 def _refuse_unfinished(config: ZeroConfig) -> None:

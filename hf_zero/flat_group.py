@@ -133,10 +133,6 @@ class FlatParamGroup:
         return self.layout.padded_numel
 
     # --- stage 3: gather and release ---------------------------------------------------------
-    @property
-    def is_gathered(self) -> bool:
-        return self.stage != 3 or self.flat_param is not None
-
     def gather(self, async_op: bool = False) -> None:
         """Start assembling the full parameters from every rank's shard (stage 3)."""
         if self.flat_param is not None:
@@ -316,6 +312,16 @@ class FlatParamGroup:
             target = self._staging
         target[start:end].copy_(self.master.detach()[start:end], non_blocking=True)
         self._staged = True
+
+    def publish_from(self, src: int) -> None:
+        """While gathered: broadcast the full parameters from global rank ``src`` and make the
+        shard and fp32 master weights follow, so the change survives the next step."""
+        self.comm.broadcast(self.flat_param, src, self.shard_group)
+        start, end = self.layout.shard_range(self.shard_index)
+        if self.shard is not None:
+            self.shard.copy_(self.flat_param[start:end])
+        if self.master is not None and not self.master_aliases_params:
+            self.master.data.copy_(self.flat_param[start:end].float())
 
     def drop_staging(self) -> None:
         """Offload: free the device copy of the updated shard once it has been gathered."""

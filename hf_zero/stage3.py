@@ -263,10 +263,7 @@ class Zero3Coordinator:
             self.stats["prefetch_hits"] += 1
         elif not unit.is_gathered:
             self.stats["on_demand_gathers"] += 1
-        for group in unit.groups:
-            group.gather(async_op=True)
-        for group in unit.groups:
-            group.wait_gather()
+        gather_groups(unit.groups)
 
     def _prefetch(self, trace: list[int] | None, cursor_name: str, unit: Unit) -> None:
         """Start gathering the units that follow ``unit`` in ``trace``, within the budgets."""
@@ -281,8 +278,8 @@ class Zero3Coordinator:
         budget = self.prefetch_numel
         for index in trace[cursor:]:
             nxt = self.units[index]
-            if nxt.is_gathered or any(g.flat_param is not None for g in nxt.groups):
-                continue
+            if any(g.flat_param is not None for g in nxt.groups):
+                continue  # gathered, or already on its way
             if budget <= 0 or live + nxt.numel > self.max_live_numel:
                 break
             for group in nxt.groups:
@@ -351,14 +348,20 @@ def unit_release(unit: Unit) -> None:
         group.release()
 
 
+def gather_groups(groups: Iterable[FlatParamGroup]) -> None:
+    """Gather several groups with all their collectives in flight at once, then wait."""
+    groups = list(groups)
+    for group in groups:
+        group.gather(async_op=True)
+    for group in groups:
+        group.wait_gather()
+
+
 @contextlib.contextmanager
 def gathered(groups: Iterable[FlatParamGroup]) -> Iterator[None]:
     """Gather stage-3 groups for the duration of the block; release those it gathered."""
     mine = [g for g in groups if g.stage == 3 and g.flat_param is None]
-    for g in mine:
-        g.gather(async_op=True)
-    for g in mine:
-        g.wait_gather()
+    gather_groups(mine)
     try:
         yield
     finally:
