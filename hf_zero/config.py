@@ -109,8 +109,20 @@ class ZeroConfig:
 
     # --- ZeRO++ and MixZ++ (issues 7, 8) -----------------------------------------------------
     quantized_weights: bool = False
-    hpz_partition_size: int = 1
+    """ZeRO++ qwZ (stage 3): parameters are all-gathered as blockwise INT8 plus fp32 scales."""
+    quantized_weights_bits: int = 8
+    """Bits per quantized weight in qwZ: 8 or 4."""
+    hpz_partition_size: int | str = 1
+    """ZeRO++ hpZ (stage 3): ranks sharing a secondary partition, so the backward gather stays
+    inside them; 1 = off, ``"auto"`` = the data-parallel ranks of one node."""
     quantized_gradients: bool = False
+    """ZeRO++ qgZ (stages 2-3): gradients reduced by hierarchical quantized all-to-alls."""
+    quantized_gradients_bits: int = 8
+    """Bits per quantized gradient in qgZ: 8 or 4 (the paper uses 4)."""
+    quantized_gradients_error_feedback: bool = False
+    """qgZ: carry each quantization residual into the next reduction."""
+    quantization_block_size: int = 256
+    """Elements per quantization block (one fp32 scale each), for qwZ and qgZ."""
     quantized_nontrainable_weights: bool = False
 
     # --- topology ----------------------------------------------------------------------------
@@ -208,6 +220,10 @@ class ZeroConfig:
                 f" x data-parallel world size ({world_size}) = {mb * gas * world_size}"
             )
 
+    @property
+    def hpz_enabled(self) -> bool:
+        return self.hpz_partition_size == AUTO or self.hpz_partition_size > 1
+
     # --- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ``ValueError`` naming the key, the value and what is allowed."""
@@ -245,7 +261,16 @@ class ZeroConfig:
                 setattr(self, name, int(value))  # DeepSpeed files write 1e9
         _at_least("max_live_parameters", self.max_live_parameters, 1)
         _at_least("max_reuse_distance", self.max_reuse_distance, 0)
-        _at_least("hpz_partition_size", self.hpz_partition_size, 1)
+        if self.hpz_partition_size != AUTO:
+            self.hpz_partition_size = _int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
+        _one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
+        _one_of("quantized_gradients_bits", self.quantized_gradients_bits, (8, 4))
+        _at_least("quantization_block_size", self.quantization_block_size, 2)
+        if self.quantization_block_size % 2:
+            raise ValueError(
+                f"zero config: 'quantization_block_size' = {self.quantization_block_size} must "
+                "be even (INT4 packs two values per byte)"
+            )
         _at_least("tp_size", self.tp_size, 1)
         if self.node_size is not None:
             _at_least("node_size", self.node_size, 1)
@@ -256,7 +281,7 @@ class ZeroConfig:
             )
         zero3_only = {
             "quantized_weights": self.quantized_weights,
-            "hpz_partition_size": self.hpz_partition_size > 1,
+            "hpz_partition_size": self.hpz_enabled,
             "quantized_nontrainable_weights": self.quantized_nontrainable_weights,
         }
         for name, on in zero3_only.items():

@@ -9,6 +9,8 @@ loop does) keeps working. The engine itself adds the DeepSpeed-style loop calls:
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hf_zero import checkpoint
-from hf_zero.comm import Collectives, CommStats
+from hf_zero.comm import Collectives, CommStats, ZeroPPSettings
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
@@ -25,7 +27,9 @@ from hf_zero.partitioned_init import unshard
 from hf_zero.precision import DTYPES, LossScaler, dtype_of
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Unit, Zero3Coordinator, assign_params_to_units, find_units, gathered
-from hf_zero.topology import Topology, current_device
+from hf_zero.topology import Topology, current_device, init_distributed
+
+logger = logging.getLogger(__name__)
 
 
 def initialize(
@@ -82,9 +86,10 @@ class ZeroEngine:
             )
         check_elementwise(optimizer, config.allow_untested_optimizer)
 
-        self.topology = Topology.build(config.tp_size, config.node_size)
+        self.topology = Topology.build(config.tp_size, config.node_size, _hpz_size(config))
         self.device = current_device()
         self.comm = Collectives()
+        self.zeropp = self._zeropp_settings()
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         config.resolve_auto(hidden_size=hidden, world_size=self.topology.dp_size)
         config.check_batch_sizes(self.topology.dp_size)
@@ -94,6 +99,7 @@ class ZeroEngine:
         self._broadcast_module()
 
         self.groups = self._build_groups(optimizer)
+        self._log_quantization_padding()
         self._cast_other_params()
         self.coordinator: Zero3Coordinator | None = None
         if config.stage == 3:
@@ -127,6 +133,28 @@ class ZeroEngine:
         self._clipped = False
         self._in_engine_backward = False
         self.comm.stats.reset()  # start counting from the first training step
+        if self.topology.rank == 0:
+            logger.info("hf_zero: %s", self.describe())
+
+    def describe(self) -> str:
+        """One line: stage, precision, groups and what is switched on (logged at start)."""
+        config, topo, zpp = self.config, self.topology, self.zeropp
+        parts = [
+            f"ZeRO stage {config.stage}",
+            config.precision,
+            f"data parallel {topo.dp_size} ({topo.num_nodes} node(s) of {topo.node_size})",
+            f"{len(self.groups)} trainable buckets",
+        ]
+        if config.offload_optimizer != "none":
+            parts.append(f"optimizer offloaded to {config.offload_optimizer}")
+        if zpp.quantized_weights:
+            parts.append(f"qwZ INT{zpp.weight_bits} weight gather")
+        if zpp.hpz is not None:
+            parts.append(f"hpZ secondary partition over {zpp.hpz.size} ranks")
+        if zpp.quantized_gradients:
+            ef = " with error feedback" if zpp.error_feedback else ""
+            parts.append(f"qgZ INT{zpp.gradient_bits} gradient all-to-all{ef}")
+        return ", ".join(parts)
 
     # --- construction ------------------------------------------------------------------------
     def _broadcast_module(self) -> None:
@@ -179,6 +207,7 @@ class ZeroEngine:
                 rank=self.topology.rank,
                 comm=self.comm,
                 offload=pg_index is not None and self.config.offload_optimizer == "cpu",
+                zeropp=self.zeropp,
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()
@@ -226,6 +255,53 @@ class ZeroEngine:
                 unit.groups.append(group)
                 (groups if pg is not None else self.frozen_groups).append(group)
         return groups
+
+    def _zeropp_settings(self) -> ZeroPPSettings:
+        """The ZeRO++ parts the config switches on, with the groups they run over."""
+        config, topo = self.config, self.topology
+        hpz = topo.hpz
+        if hpz is not None and hpz.spans_nodes:
+            logger.warning(
+                "hf_zero ZeRO++: 'hpz_partition_size' = %s is larger than the %s data-parallel "
+                "ranks of a node, so the backward gather still crosses nodes",
+                hpz.size,
+                topo.dp_intra_node.size,
+            )
+        if config.quantized_gradients and topo.dp_inter_node.size == 1:
+            logger.info(
+                "hf_zero ZeRO++: qgZ on a single node: one quantized all-to-all, no inter-node step"
+            )
+        return ZeroPPSettings(
+            quantized_weights=config.quantized_weights,
+            weight_bits=config.quantized_weights_bits,
+            hpz=hpz,
+            quantized_gradients=config.quantized_gradients,
+            gradient_bits=config.quantized_gradients_bits,
+            intra=topo.dp_intra_node,
+            inter=topo.dp_inter_node,
+            block_size=config.quantization_block_size,
+            error_feedback=config.quantized_gradients_error_feedback,
+        )
+
+    def _log_quantization_padding(self) -> None:
+        """Say once when buffers are shorter than, or not a multiple of, a quantization block."""
+        zpp = self.zeropp
+        if not (zpp.quantized_weights or zpp.quantized_gradients):
+            return
+        block = zpp.block_size
+        shards = [g.layout.shard_numel for g in self.groups + self.frozen_groups]
+        short = sum(n < block for n in shards)
+        padded = sum(n >= block and n % block != 0 for n in shards)
+        if short or padded:
+            logger.info(
+                "hf_zero ZeRO++: of %d buckets, %d have shards shorter than "
+                "'quantization_block_size' = %d (they use one smaller block) and %d are padded "
+                "to whole blocks",
+                len(shards),
+                short,
+                block,
+                padded,
+            )
 
     def _cast_other_params(self) -> None:
         """Cast parameters outside the buckets (frozen ones) to the compute dtype."""
@@ -289,6 +365,8 @@ class ZeroEngine:
             return False
         self._last_step_micro = self.reducer.micro_steps
         stepped = self.optimizer.step(self.config.gradient_clipping, clipped=self._clipped)
+        for group in self.frozen_groups:
+            group.drop_secondary()  # trainable groups dropped theirs when they were updated
         self.last_step_skipped = not stepped
         if stepped:
             self.global_steps += 1
@@ -343,7 +421,9 @@ class ZeroEngine:
         return self.loss_scaler.scale
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds now, by kind: params, grads, master_weights, optimizer_states.
+        """Bytes this rank holds now, by kind: params, grads, master_weights, optimizer_states,
+        and secondary_params (ZeRO++ hpZ: ``1/hpz`` of each parameter gathered since the last
+        step).
 
         Counts the tensors themselves (flat buffers, shards, optimizer state), not allocator
         caches, so the figures can be checked against the ZeRO formulas. ``host_grads``,
@@ -353,6 +433,8 @@ class ZeroEngine:
         device_kinds = ("params", "grads", "master_weights", "optimizer_states")
         report = dict.fromkeys(device_kinds, 0)
         report.update(dict.fromkeys(("host_" + k for k in device_kinds[1:]), 0))
+        device_kinds += ("secondary_params",)
+        report["secondary_params"] = 0
         for group in self.groups + self.frozen_groups:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
@@ -446,12 +528,19 @@ def _group_of(param: torch.Tensor) -> FlatParamGroup | None:
     return getattr(param, "_hf_zero_group", None)
 
 
+def _hpz_size(config: ZeroConfig) -> int:
+    """``hpz_partition_size`` as a number; ``"auto"`` is the data-parallel ranks of one node."""
+    if config.hpz_partition_size != "auto":
+        return config.hpz_partition_size
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    node = config.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return max(1, node // config.tp_size)
+
+
 def _refuse_unfinished(config: ZeroConfig) -> None:
     """Features the config accepts but this version does not implement yet."""
     unfinished = {
-        "quantized_weights": (config.quantized_weights, "ZeRO++ qwZ"),
-        "hpz_partition_size": (config.hpz_partition_size > 1, "ZeRO++ hpZ"),
-        "quantized_gradients": (config.quantized_gradients, "ZeRO++ qgZ"),
         "quantized_nontrainable_weights": (config.quantized_nontrainable_weights, "MixZ++"),
         "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
         "tp_size": (config.tp_size > 1, "AutoTP tensor parallelism"),

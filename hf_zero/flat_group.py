@@ -26,13 +26,20 @@ optimizer state live in host memory: each reduced gradient shard is copied devic
 optimizer steps on the host, and the updated values are copied host-to-device before the usual
 gather. On CUDA the host buffers are pinned and the copies are asynchronous; on a CPU-only machine
 the same code path runs with separate host tensors and the same copies.
+
+ZeRO++ (``zeropp``, stage 3): with qwZ a gather sends the shard as INT8 plus block scales; with
+hpZ the first gather after an optimizer step also keeps a *secondary shard* (``1/hpz`` of the
+full buffer) so later gathers until the next step - the backward's above all - run inside the
+hpZ group only. With qgZ (stages 2-3) the gradient reduce-scatter becomes the hierarchical
+quantized all-to-all of `QuantizedReduceScatter`. Exact gathers (``exact=True``: checkpoints,
+``gathered_parameters``) bypass both.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_zero.comm import Collectives
+from hf_zero.comm import Collectives, QuantizedGather, QuantizedReduceScatter, ZeroPPSettings
 from hf_zero.partition import FlatLayout
 from hf_zero.topology import Group
 
@@ -53,8 +60,10 @@ class FlatParamGroup:
         rank: int,
         comm: Collectives,
         offload: bool = False,
+        zeropp: ZeroPPSettings | None = None,
     ) -> None:
         self.index = index
+        self.zeropp = zeropp or ZeroPPSettings()
         self.offload = offload
         self.host = torch.device("cpu")
         self.param_group_index = param_group_index
@@ -67,6 +76,7 @@ class FlatParamGroup:
         self.comm = comm
         # Stage 0 does not partition the optimizer: one "shard" covering the whole buffer.
         self.shard_group = shard_group
+        self.comm_rank = rank
         num_shards = shard_group.size if stage >= 1 else 1
         self.shard_index = shard_group.rank_of(rank) if stage >= 1 else 0
         self.layout = FlatLayout(names, [p.shape for p in params], num_shards)
@@ -104,6 +114,13 @@ class FlatParamGroup:
         self._staged = False
         del full32
         self._gather_work = None
+        self._secondary: torch.Tensor | None = None  # hpZ: this rank's slice of the full buffer
+        self._keep_secondary = False
+        self._quantized_reduce = None
+        if self.zeropp.quantized_gradients and stage >= 2 and self.trainable:
+            self._quantized_reduce = QuantizedReduceScatter(
+                comm, self.zeropp, self.layout.padded_numel
+            )
         if stage == 3:
             self._release_views()
         else:
@@ -133,16 +150,39 @@ class FlatParamGroup:
         return self.layout.padded_numel
 
     # --- stage 3: gather and release ---------------------------------------------------------
-    def gather(self, async_op: bool = False) -> None:
-        """Start assembling the full parameters from every rank's shard (stage 3)."""
+    def gather(self, async_op: bool = False, exact: bool = False) -> None:
+        """Start assembling the full parameters from every rank's shard (stage 3).
+
+        With ZeRO++ on, the gather reads the hpZ secondary shards when they are current, else
+        quantizes (qwZ); ``exact=True`` always all-gathers the 16-bit primary shards.
+        """
         if self.flat_param is not None:
             return
         self.flat_param = torch.empty(
             self.layout.padded_numel, dtype=self.dtype, device=self.device
         )
-        self._gather_work = self.comm.all_gather(
-            self.flat_param, self.shard, self.shard_group, async_op=async_op
-        )
+        zpp = self.zeropp
+        self._keep_secondary = False
+        if not exact and self._secondary is not None:
+            self._gather_work = self.comm.all_gather(
+                self.flat_param, self._secondary, zpp.hpz, async_op=async_op
+            )
+        elif not exact and zpp.quantized_weights and self.shard_group.size > 1:
+            self._gather_work = QuantizedGather(
+                self.comm,
+                self.flat_param,
+                self.shard,
+                self.shard_group,
+                zpp.weight_bits,
+                zpp.block_size,
+                async_op,
+            )
+            self._keep_secondary = zpp.hpz is not None
+        else:
+            self._gather_work = self.comm.all_gather(
+                self.flat_param, self.shard, self.shard_group, async_op=async_op
+            )
+            self._keep_secondary = not exact and zpp.hpz is not None
         if not async_op:
             self.wait_gather()
 
@@ -151,7 +191,18 @@ class FlatParamGroup:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+        if self._keep_secondary:
+            # hpZ: keep the values this forward used, so backward gathers the same ones.
+            hpz = self.zeropp.hpz
+            size = self.layout.padded_numel // hpz.size
+            start = hpz.rank_of(self.comm_rank) * size
+            self._secondary = self.flat_param[start : start + size].clone()
+            self._keep_secondary = False
         self._point_params_at(self.flat_param)
+
+    def drop_secondary(self) -> None:
+        """hpZ: forget the secondary shard (the parameters changed, e.g. an optimizer step)."""
+        self._secondary = None
 
     def release(self) -> None:
         """Free the full parameters; only this rank's shard stays (stage 3)."""
@@ -217,6 +268,9 @@ class FlatParamGroup:
         elif self._reduce_input is None:
             # No gradient reached this bucket on this rank; other ranks may have some.
             self._reduce_input = self._new_zeros(self.layout.padded_numel, self.reduce_dtype)
+        if self._quantized_reduce is not None:
+            self._quantized_reduce.launch(self._reduce_input, async_op=async_op)
+            return
         self._reduce_output = self._new_zeros(self.layout.shard_numel, self.reduce_dtype)
         self._work = self.comm.reduce_scatter(
             self._reduce_output, self._reduce_input, group, async_op=async_op
@@ -228,7 +282,9 @@ class FlatParamGroup:
         ``received=False`` (no rank had a gradient for this bucket) leaves ``master.grad`` as it
         is, so a bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
         """
-        if self._work is not None:
+        if self._quantized_reduce is not None:
+            self._reduce_output = self._quantized_reduce.finish()
+        elif self._work is not None:
             self._work.wait()
         world = self.shard_group.size
         reduced = self._reduce_output
@@ -279,6 +335,7 @@ class FlatParamGroup:
     # --- after the optimizer step ------------------------------------------------------------
     def gather_params(self, async_op: bool):
         """Bring the parameters up to date with the stepped master weights."""
+        self.drop_secondary()
         if self.master_aliases_params:
             return None
         updated = self.master.detach()
@@ -317,6 +374,7 @@ class FlatParamGroup:
         """While gathered: broadcast the full parameters from global rank ``src`` and make the
         shard and fp32 master weights follow, so the change survives the next step."""
         self.comm.broadcast(self.flat_param, src, self.shard_group)
+        self.drop_secondary()
         start, end = self.layout.shard_range(self.shard_index)
         if self.shard is not None:
             self.shard.copy_(self.flat_param[start:end])
@@ -352,14 +410,26 @@ class FlatParamGroup:
             master_grad += _nbytes(self._pending_host_grad[0])
         own_master = master is not None and not self.master_aliases_params
         master_bytes = _nbytes(master) if own_master else 0
+        if self._quantized_reduce is not None:
+            grads += self._quantized_reduce.residual_bytes()  # qgZ error feedback
+        if self._secondary is not None:
+            secondary = {"secondary_params": _nbytes(self._secondary)}
+        else:
+            secondary = {}
         if self.offload:
             return {
+                **secondary,
                 "params": params,
                 "grads": grads,
                 "host_grads": master_grad,
                 "host_master_weights": master_bytes,
             }
-        return {"params": params, "grads": grads + master_grad, "master_weights": master_bytes}
+        return {
+            **secondary,
+            "params": params,
+            "grads": grads + master_grad,
+            "master_weights": master_bytes,
+        }
 
     def full_master(self) -> torch.Tensor:
         """The whole fp32 master buffer, gathered across the shard group (collective)."""

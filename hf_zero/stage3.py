@@ -348,20 +348,24 @@ def unit_release(unit: Unit) -> None:
         group.release()
 
 
-def gather_groups(groups: Iterable[FlatParamGroup]) -> None:
-    """Gather several groups with all their collectives in flight at once, then wait."""
+def gather_groups(groups: Iterable[FlatParamGroup], exact: bool = False) -> None:
+    """Gather several groups with all their collectives in flight at once, then wait.
+
+    ``exact=True`` bypasses ZeRO++ quantization and secondary shards.
+    """
     groups = list(groups)
     for group in groups:
-        group.gather(async_op=True)
+        group.gather(async_op=True, exact=exact)
     for group in groups:
         group.wait_gather()
 
 
 @contextlib.contextmanager
 def gathered(groups: Iterable[FlatParamGroup]) -> Iterator[None]:
-    """Gather stage-3 groups for the duration of the block; release those it gathered."""
+    """Gather stage-3 groups exactly (never quantized) for the duration of the block; release
+    those it gathered."""
     mine = [g for g in groups if g.stage == 3 and g.flat_param is None]
-    gather_groups(mine)
+    gather_groups(mine, exact=True)
     try:
         yield
     finally:

@@ -46,6 +46,13 @@ class Topology:
     dp_control: Group
     """The data-parallel ranks on a CPU (gloo) group, for small control messages that must not
     synchronise the device stream."""
+    dp_intra_node: Group
+    """The data-parallel ranks on this rank's node (ZeRO++ qgZ step 1)."""
+    dp_inter_node: Group
+    """The data-parallel ranks with this rank's position inside its node, one per node (qgZ
+    step 2)."""
+    hpz: Group | None = None
+    """ZeRO++ hpZ: runs of ``hpz_size`` consecutive data-parallel ranks; ``None`` when off."""
 
     @property
     def dp_size(self) -> int:
@@ -67,8 +74,12 @@ class Topology:
         return global_rank // self.node_size
 
     @classmethod
-    def build(cls, tp_size: int = 1, node_size: int | None = None) -> Topology:
-        """Create every group. Collective: all ranks must call it with the same arguments."""
+    def build(cls, tp_size: int = 1, node_size: int | None = None, hpz_size: int = 1) -> Topology:
+        """Create every group. Collective: all ranks must call it with the same arguments.
+
+        ``hpz_size > 1`` also creates the ZeRO++ secondary-partition groups; it must divide the
+        data-parallel size.
+        """
         if not dist.is_initialized():
             init_distributed()
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -105,7 +116,34 @@ class Topology:
         intra = make([tuple(n * node_size + i for i in range(node_size)) for n in range(num_nodes)])
         inter = make([tuple(n * node_size + i for n in range(num_nodes)) for i in range(node_size)])
         control = dp if dist.get_backend() == "gloo" else make(dp_members, backend="gloo")
-        return cls(world, rank, tp_size, node_size, dp, tp, intra, inter, control)
+
+        # Data-parallel ranks split by node; with tp_size = 1 these are the node groups.
+        per_node = max(1, node_size // tp_size)
+        if tp_size == 1:
+            dp_intra, dp_inter = intra, inter
+        elif node_size % tp_size or dp_size % per_node:
+            # No clean node split: treat the data-parallel group as one node.
+            dp_intra, dp_inter = dp, Group(None, (rank,), spans_nodes=False)
+        else:
+            nodes = dp_size // per_node
+            dp_intra = make(
+                [m[n * per_node : (n + 1) * per_node] for m in dp_members for n in range(nodes)]
+            )
+            dp_inter = make([m[i::per_node] for m in dp_members for i in range(per_node)])
+
+        hpz = None
+        if hpz_size > 1:
+            if dp_size % hpz_size:
+                raise ValueError(
+                    f"zero config: 'hpz_partition_size' = {hpz_size} must divide the "
+                    f"data-parallel size {dp_size}"
+                )
+            hpz = make(
+                [m[i : i + hpz_size] for m in dp_members for i in range(0, dp_size, hpz_size)]
+            )
+        return cls(
+            world, rank, tp_size, node_size, dp, tp, intra, inter, control, dp_intra, dp_inter, hpz
+        )
 
 
 def current_device() -> torch.device:

@@ -149,6 +149,27 @@ def train_zero(
     return losses, named_fp32(model), engine
 
 
+def zero_engine(model: torch.nn.Module, **cfg):
+    """`hf_zero.initialize` with AdamW on every parameter and the tests' bucket size."""
+    return hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters()), reduce_bucket_size=BUCKET, **cfg
+    )
+
+
+def train_step(engine, model: torch.nn.Module, step: int, poison: bool = False) -> bool:
+    """One step on this rank's batch; ``poison`` makes rank 1's gradients overflow (inf)."""
+    rank = dist.get_rank()
+    handle = None
+    if poison and rank == 1:  # only one rank overflows
+        param = model.get_parameter("model.norm.weight")
+        handle = param.register_hook(lambda g: g * float("inf"))
+    x = batch(rank, step, 0)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    if handle is not None:
+        handle.remove()
+    return engine.step()
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm-wise relative difference ||a - b|| / ||b||."""
     a, b = a.double(), b.double()

@@ -195,6 +195,12 @@ def test_unknown_keys_name_the_nearest_valid_one(source, match):
             r"'quantized_gradients' = True needs 'stage' 2",
         ),
         ({"tp_size": 0}, r"'tp_size' = 0 must be an integer >= 1"),
+        ({"hpz_partition_size": "auto", "stage": 2}, r"'hpz_partition_size' = 'auto' needs"),
+        ({"hpz_partition_size": "half", "stage": 3}, r"'hpz_partition_size' = 'half' must be"),
+        ({"quantized_weights_bits": 2}, r"'quantized_weights_bits' = 2 is not allowed"),
+        ({"quantized_gradients_bits": 16}, r"'quantized_gradients_bits' = 16 is not allowed"),
+        ({"quantization_block_size": 63}, r"'quantization_block_size' = 63 must be even"),
+        ({"quantization_block_size": 0}, r"'quantization_block_size' = 0 must be an integer"),
     ],
 )
 def test_impossible_values_name_key_value_and_allowed(values, match):

@@ -62,8 +62,8 @@ def test_missing_optimizer_and_unfinished_features(single_rank):
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(NotImplementedError, match="'tp_size' = 2 asks for AutoTP"):
         hf_zero.initialize(model, opt, stage=2, tp_size=2)
-    with pytest.raises(NotImplementedError, match="'quantized_gradients' = True asks for ZeRO"):
-        hf_zero.initialize(model, opt, stage=2, quantized_gradients=True)
+    with pytest.raises(NotImplementedError, match="'offload_param' = 'cpu' asks for parameter"):
+        hf_zero.initialize(model, opt, stage=3, offload_param="cpu")
 
 
 def test_optimizer_from_deepspeed_section(single_rank):

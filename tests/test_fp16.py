@@ -2,15 +2,13 @@
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import BUCKET, batch, build_model, named_fp32, two_param_groups
+from helpers import BUCKET, build_model, named_fp32, train_step, two_param_groups
 
 import hf_zero
 from hf_zero.testing import run_distributed
 
 
 def _overflow(stage: int, hysteresis: int) -> dict:
-    rank = dist.get_rank()
     model = build_model()
     engine = hf_zero.initialize(
         model,
@@ -23,27 +21,16 @@ def _overflow(stage: int, hysteresis: int) -> dict:
         reduce_bucket_size=BUCKET,
     )
 
-    def train_step(step: int, poison: bool) -> bool:
-        handle = None
-        if poison and rank == 1:  # only one rank overflows
-            param = model.get_parameter("model.norm.weight")
-            handle = param.register_hook(lambda g: g * float("inf"))
-        x = batch(rank, step, 0)
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        if handle is not None:
-            handle.remove()
-        return engine.step()
-
-    out = {"first": train_step(0, poison=False), "scales": [engine.loss_scale]}
+    out = {"first": train_step(engine, model, 0), "scales": [engine.loss_scale]}
     for step in (1, 2):
         before = named_fp32(model)
-        out[f"stepped_{step}"] = train_step(step, poison=True)
+        out[f"stepped_{step}"] = train_step(engine, model, step, poison=True)
         out[f"unchanged_{step}"] = all(
             torch.equal(before[n], p) for n, p in named_fp32(model).items()
         )
         out["scales"].append(engine.loss_scale)
     before = named_fp32(model)
-    out["recovered"] = train_step(3, poison=False)
+    out["recovered"] = train_step(engine, model, 3)
     out["moved_after"] = not all(torch.equal(before[n], p) for n, p in named_fp32(model).items())
     out["skipped"] = engine.skipped_steps
     out["global_steps"] = engine.global_steps

@@ -4,7 +4,14 @@ bf16, fp16 and fp32 inputs, sizes that do not divide the block, and all-zero blo
 import pytest
 import torch
 
-from hf_zero.quant import QMAX, dequantize, quantize
+from hf_zero.quant import (
+    QMAX,
+    dequantize,
+    dequantize_rows,
+    fitted_block_size,
+    quantize,
+    quantize_rows,
+)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -29,6 +36,20 @@ def test_round_trip_within_half_a_step(bits, dtype, block_size):
     assert rel < {8: 0.01, 4: 0.15}[bits]
     assert back.abs().max() <= exact.abs().max() * (1 + 1e-6)
     assert dequantize(q, dtype).dtype == dtype
+
+
+def test_rows_are_quantized_independently():
+    """The collectives send row j to rank j: a row's blocks must not depend on other rows."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 1000) * torch.tensor([[1e-3], [1.0], [1e3]])
+    q = quantize_rows(x, 8, 64)
+    assert q.data.shape == (3, 1024) and q.scales.shape == (3, 16)  # each row padded alone
+    back = dequantize_rows(q)
+    for i in range(3):
+        alone = dequantize(quantize(x[i], 8, 64))
+        assert torch.equal(back[i], alone)
+    assert fitted_block_size(40, 256) == 40 and fitted_block_size(41, 256) == 42
+    assert fitted_block_size(5000, 256) == 256
 
 
 def test_payload_sizes():

@@ -1,5 +1,12 @@
-"""Collectives with byte accounting (and, later, their quantized variants)."""
+"""Collectives with byte accounting, and the ZeRO++ quantized variants."""
 
 from hf_zero.comm.collectives import Collectives, CommStats
+from hf_zero.comm.quantized import QuantizedGather, QuantizedReduceScatter, ZeroPPSettings
 
-__all__ = ["Collectives", "CommStats"]
+__all__ = [
+    "Collectives",
+    "CommStats",
+    "QuantizedGather",
+    "QuantizedReduceScatter",
+    "ZeroPPSettings",
+]

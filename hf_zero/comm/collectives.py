@@ -100,6 +100,16 @@ class Collectives:
         self.stats.record("all_gather", _nbytes(output), group.spans_nodes)
         return all_gather_single(output, input, group=group.pg, async_op=async_op)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
+    ):
+        """Row block ``i`` of ``input`` (split evenly along dim 0) goes to group rank ``i``."""
+        if group.size == 1:
+            output.copy_(input)
+            return None
+        self.stats.record("all_to_all", _nbytes(input), group.spans_nodes)
+        return dist.all_to_all_single(output, input, group=group.pg, async_op=async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from global rank ``src``."""
         if group.size == 1:
