@@ -13,6 +13,8 @@ _LAZY = {
     "ZeroPlugin": "hf_zero.integrations.accelerate",
     "ZeroTrainer": "hf_zero.integrations.trainer",
     "ZeroTrainingArguments": "hf_zero.integrations.trainer",
+    "merged_state_dict": "hf_zero.integrations.peft",
+    "save_merged": "hf_zero.integrations.peft",
 }
 
 
@@ -38,5 +40,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_partitioned",
+    "merged_state_dict",
     "partitioned_init",
+    "save_merged",
 ]

@@ -154,6 +154,9 @@ class ZeroEngine:
         if zpp.quantized_gradients:
             ef = " with error feedback" if zpp.error_feedback else ""
             parts.append(f"qgZ INT{zpp.gradient_bits} gradient all-to-all{ef}")
+        if zpp.quantized_nontrainable_weights:
+            frozen = sum(g.numel for g in self.frozen_groups)
+            parts.append(f"MixZ++ INT{zpp.weight_bits} frozen weights ({frozen} elements)")
         return ", ".join(parts)
 
     # --- construction ------------------------------------------------------------------------
@@ -281,12 +284,15 @@ class ZeroEngine:
             inter=topo.dp_inter_node,
             block_size=config.quantization_block_size,
             error_feedback=config.quantized_gradients_error_feedback,
+            quantized_nontrainable_weights=config.quantized_nontrainable_weights,
         )
 
     def _log_quantization_padding(self) -> None:
         """Say once when buffers are shorter than, or not a multiple of, a quantization block."""
         zpp = self.zeropp
-        if not (zpp.quantized_weights or zpp.quantized_gradients):
+        if not (
+            zpp.quantized_weights or zpp.quantized_gradients or zpp.quantized_nontrainable_weights
+        ):
             return
         block = zpp.block_size
         shards = [g.layout.shard_numel for g in self.groups + self.frozen_groups]
@@ -422,8 +428,8 @@ class ZeroEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: params, grads, master_weights, optimizer_states,
-        and secondary_params (ZeRO++ hpZ: ``1/hpz`` of each parameter gathered since the last
-        step).
+        secondary_params (ZeRO++ hpZ: ``1/hpz`` of each parameter gathered since the last
+        step) and quantized_params (MixZ++: the INT8 shards and scales of frozen weights).
 
         Counts the tensors themselves (flat buffers, shards, optimizer state), not allocator
         caches, so the figures can be checked against the ZeRO formulas. ``host_grads``,
@@ -433,8 +439,8 @@ class ZeroEngine:
         device_kinds = ("params", "grads", "master_weights", "optimizer_states")
         report = dict.fromkeys(device_kinds, 0)
         report.update(dict.fromkeys(("host_" + k for k in device_kinds[1:]), 0))
-        device_kinds += ("secondary_params",)
-        report["secondary_params"] = 0
+        device_kinds += ("secondary_params", "quantized_params")
+        report.update(secondary_params=0, quantized_params=0)
         for group in self.groups + self.frozen_groups:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
@@ -541,7 +547,6 @@ def _hpz_size(config: ZeroConfig) -> int:
 def _refuse_unfinished(config: ZeroConfig) -> None:
     """Features the config accepts but this version does not implement yet."""
     unfinished = {
-        "quantized_nontrainable_weights": (config.quantized_nontrainable_weights, "MixZ++"),
         "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
         "tp_size": (config.tp_size > 1, "AutoTP tensor parallelism"),
     }

@@ -33,14 +33,27 @@ full buffer) so later gathers until the next step - the backward's above all - r
 hpZ group only. With qgZ (stages 2-3) the gradient reduce-scatter becomes the hierarchical
 quantized all-to-all of `QuantizedReduceScatter`. Exact gathers (``exact=True``: checkpoints,
 ``gathered_parameters``) bypass both.
+
+MixZ++ (``zeropp.quantized_nontrainable_weights``): a frozen stage-3 group quantizes its shard
+once, at construction, from the original fp32 values, and keeps only that (INT8 + block scales,
+``quantized_params`` in `held_bytes`). Every gather all-gathers the quantized shards and
+dequantizes to the compute dtype; with hpZ its secondary is a slice of those quantized rows and,
+since frozen weights never change, it is kept for the whole run.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_zero.comm import Collectives, QuantizedGather, QuantizedReduceScatter, ZeroPPSettings
+from hf_zero.comm import (
+    Collectives,
+    QuantizedGather,
+    QuantizedReduceScatter,
+    ZeroPPSettings,
+    quantize_shard,
+)
 from hf_zero.partition import FlatLayout
+from hf_zero.quant import Quantized
 from hf_zero.topology import Group
 
 
@@ -91,7 +104,14 @@ class FlatParamGroup:
         fp32 = dtype == torch.float32
         self.flat_param: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
-        if stage == 3:
+        self.quantized_shard: Quantized | None = None  # MixZ++: the frozen shard, for good
+        zpp = self.zeropp
+        if stage == 3 and not self.trainable and zpp.quantized_nontrainable_weights:
+            self.quantized_shard = quantize_shard(
+                full32[start:end], zpp.weight_bits, zpp.block_size
+            )
+            owner = None
+        elif stage == 3:
             self.shard = full32[start:end].to(dtype, copy=True)
             owner = self.shard
         else:
@@ -114,7 +134,8 @@ class FlatParamGroup:
         self._staged = False
         del full32
         self._gather_work = None
-        self._secondary: torch.Tensor | None = None  # hpZ: this rank's slice of the full buffer
+        # hpZ: this rank's slice of the full buffer (quantized rows for a MixZ++ group)
+        self._secondary: torch.Tensor | Quantized | None = None
         self._keep_secondary = False
         self._quantized_reduce = None
         if self.zeropp.quantized_gradients and stage >= 2 and self.trainable:
@@ -163,19 +184,25 @@ class FlatParamGroup:
         )
         zpp = self.zeropp
         self._keep_secondary = False
-        if not exact and self._secondary is not None:
-            self._gather_work = self.comm.all_gather(
-                self.flat_param, self._secondary, zpp.hpz, async_op=async_op
-            )
-        elif not exact and zpp.quantized_weights and self.shard_group.size > 1:
+        # A MixZ++ group has nothing but its quantized shard: every gather is "exact" for it.
+        secondary = self._secondary if not exact or self.quantized_shard is not None else None
+        if isinstance(secondary, Quantized):
             self._gather_work = QuantizedGather(
-                self.comm,
-                self.flat_param,
-                self.shard,
-                self.shard_group,
-                zpp.weight_bits,
-                zpp.block_size,
-                async_op,
+                self.comm, self.flat_param, secondary, zpp.hpz, async_op
+            )
+        elif secondary is not None:
+            self._gather_work = self.comm.all_gather(
+                self.flat_param, secondary, zpp.hpz, async_op=async_op
+            )
+        elif self.quantized_shard is not None:
+            self._gather_work = QuantizedGather(
+                self.comm, self.flat_param, self.quantized_shard, self.shard_group, async_op
+            )
+            self._keep_secondary = zpp.hpz is not None
+        elif not exact and zpp.quantized_weights and self.shard_group.size > 1:
+            local = quantize_shard(self.shard, zpp.weight_bits, zpp.block_size)
+            self._gather_work = QuantizedGather(
+                self.comm, self.flat_param, local, self.shard_group, async_op
             )
             self._keep_secondary = zpp.hpz is not None
         else:
@@ -188,21 +215,33 @@ class FlatParamGroup:
 
     def wait_gather(self) -> None:
         """Finish a gather started with ``async_op=True`` and point the parameters at it."""
-        if self._gather_work is not None:
-            self._gather_work.wait()
-            self._gather_work = None
+        work, self._gather_work = self._gather_work, None
+        if work is not None:
+            work.wait()
         if self._keep_secondary:
             # hpZ: keep the values this forward used, so backward gathers the same ones.
-            hpz = self.zeropp.hpz
-            size = self.layout.padded_numel // hpz.size
-            start = hpz.rank_of(self.comm_rank) * size
-            self._secondary = self.flat_param[start : start + size].clone()
             self._keep_secondary = False
+            hpz = self.zeropp.hpz
+            index = hpz.rank_of(self.comm_rank)
+            if self.quantized_shard is not None:
+                q = work.gathered
+                rows = q.data.shape[0] // hpz.size
+                keep = slice(index * rows, (index + 1) * rows)
+                self._secondary = Quantized(
+                    q.data[keep].clone(), q.scales[keep].clone(), q.numel, q.bits, q.block_size
+                )
+            else:
+                size = self.layout.padded_numel // hpz.size
+                self._secondary = self.flat_param[index * size : (index + 1) * size].clone()
         self._point_params_at(self.flat_param)
 
     def drop_secondary(self) -> None:
-        """hpZ: forget the secondary shard (the parameters changed, e.g. an optimizer step)."""
-        self._secondary = None
+        """hpZ: forget the secondary shard (the parameters changed, e.g. an optimizer step).
+
+        A MixZ++ group keeps its own: frozen quantized weights never change.
+        """
+        if self.quantized_shard is None:
+            self._secondary = None
 
     def release(self) -> None:
         """Free the full parameters; only this rank's shard stays (stage 3)."""
@@ -374,10 +413,15 @@ class FlatParamGroup:
         """While gathered: broadcast the full parameters from global rank ``src`` and make the
         shard and fp32 master weights follow, so the change survives the next step."""
         self.comm.broadcast(self.flat_param, src, self.shard_group)
-        self.drop_secondary()
+        self._secondary = None
         start, end = self.layout.shard_range(self.shard_index)
         if self.shard is not None:
             self.shard.copy_(self.flat_param[start:end])
+        if self.quantized_shard is not None:
+            zpp = self.zeropp
+            self.quantized_shard = quantize_shard(
+                self.flat_param[start:end], zpp.weight_bits, zpp.block_size
+            )
         if self.master is not None and not self.master_aliases_params:
             self.master.data.copy_(self.flat_param[start:end].float())
 
@@ -412,10 +456,13 @@ class FlatParamGroup:
         master_bytes = _nbytes(master) if own_master else 0
         if self._quantized_reduce is not None:
             grads += self._quantized_reduce.residual_bytes()  # qgZ error feedback
-        if self._secondary is not None:
-            secondary = {"secondary_params": _nbytes(self._secondary)}
-        else:
-            secondary = {}
+        secondary = {}
+        if isinstance(self._secondary, Quantized):
+            secondary["secondary_params"] = self._secondary.nbytes
+        elif self._secondary is not None:
+            secondary["secondary_params"] = _nbytes(self._secondary)
+        if self.quantized_shard is not None:
+            secondary["quantized_params"] = self.quantized_shard.nbytes
         if self.offload:
             return {
                 **secondary,

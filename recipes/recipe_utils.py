@@ -50,11 +50,12 @@ def make_lm_dataset(tokenizer, block_size: int, dataset_name=None, text_file=Non
     return tokenized.map(group, batched=True, remove_columns=tokenized.column_names)
 
 
-def train_and_save(model, tokenizer, args, dataset) -> None:
+def train_and_save(model, tokenizer, args, dataset, after_save=None) -> None:
     """The Trainer part every Trainer recipe shares: train (or resume), save, record, tear down.
 
     Also writes, on rank 0, the logits of a fixed probe and the log history, so that a fresh
     process (the tests, or you) can check that what was saved reproduces the trained model.
+    ``after_save(trainer)`` runs on every rank after saving, while the process group is up.
     """
     from transformers import default_data_collator
 
@@ -70,6 +71,8 @@ def train_and_save(model, tokenizer, args, dataset) -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     save_run_record(trainer, args.output_dir, probe_logits(model, tokenizer, args.device))
+    if after_save is not None:
+        after_save(trainer)
     trainer.accelerator.end_training()  # tears the process group down cleanly
 
 

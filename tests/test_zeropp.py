@@ -31,7 +31,13 @@ from helpers import (
 )
 
 import hf_zero
-from hf_zero.comm import Collectives, QuantizedGather, QuantizedReduceScatter, ZeroPPSettings
+from hf_zero.comm import (
+    Collectives,
+    QuantizedGather,
+    QuantizedReduceScatter,
+    ZeroPPSettings,
+    quantize_shard,
+)
 from hf_zero.quant import QMAX
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, token_batches
@@ -50,7 +56,7 @@ def _quantized_gather(bits: int, numel: int, dtype: torch.dtype) -> dict:
     shard = (torch.randn(numel) * 10.0**rank).to(dtype)  # very different magnitudes per rank
     comm = Collectives()
     out = torch.empty(4 * numel, dtype=dtype)
-    QuantizedGather(comm, out, shard, topo.dp, bits, 64, async_op=True).wait()
+    QuantizedGather(comm, out, quantize_shard(shard, bits, 64), topo.dp, async_op=True).wait()
     quantized_bytes = comm.stats.bytes("all_gather")
     exact = torch.empty_like(out)
     comm.all_gather(exact, shard, topo.dp)

@@ -1,7 +1,12 @@
 """Collectives with byte accounting, and the ZeRO++ quantized variants."""
 
 from hf_zero.comm.collectives import Collectives, CommStats
-from hf_zero.comm.quantized import QuantizedGather, QuantizedReduceScatter, ZeroPPSettings
+from hf_zero.comm.quantized import (
+    QuantizedGather,
+    QuantizedReduceScatter,
+    ZeroPPSettings,
+    quantize_shard,
+)
 
 __all__ = [
     "Collectives",
@@ -9,4 +14,5 @@ __all__ = [
     "QuantizedGather",
     "QuantizedReduceScatter",
     "ZeroPPSettings",
+    "quantize_shard",
 ]

@@ -46,40 +46,46 @@ class ZeroPPSettings:
     """qgZ step 2: the data-parallel ranks with this rank's local index, one per node."""
     block_size: int = 256
     error_feedback: bool = False
+    quantized_nontrainable_weights: bool = False
+    """MixZ++: frozen stage-3 shards are stored quantized (``weight_bits``) once, for good."""
+
+
+def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> Quantized:
+    """A flat shard as one quantized row (one smaller block if the shard is short)."""
+    return quantize_rows(shard.view(1, -1), bits, fitted_block_size(shard.numel(), block_size))
 
 
 class QuantizedGather:
-    """An in-flight quantized all-gather; `wait` dequantizes into the output buffer."""
+    """An in-flight all-gather of quantized rows; `wait` dequantizes into the output buffer.
+
+    Each rank contributes ``local`` (one row per shard it holds); ``gathered`` holds every
+    rank's rows, in group order, once the gather has finished.
+    """
 
     def __init__(
         self,
         comm: Collectives,
         output: torch.Tensor,
-        shard: torch.Tensor,
+        local: Quantized,
         group: Group,
-        bits: int,
-        block_size: int,
         async_op: bool,
     ) -> None:
         self.output = output
-        self.size = group.size
-        self.numel = shard.numel()
-        q = quantize_rows(shard.view(1, -1), bits, fitted_block_size(self.numel, block_size))
-        self.meta = (bits, q.block_size)
-        self.data = q.data.new_empty((group.size, q.data.shape[1]))
-        self.scales = q.scales.new_empty((group.size, q.scales.shape[1]))
+        rows = local.data.shape[0] * group.size
+        data = local.data.new_empty((rows, local.data.shape[1]))
+        scales = local.scales.new_empty((rows, local.scales.shape[1]))
+        self.gathered = Quantized(data, scales, local.numel, local.bits, local.block_size)
         self._works = [
-            comm.all_gather(self.data.view(-1), q.data.view(-1), group, async_op=async_op),
-            comm.all_gather(self.scales.view(-1), q.scales.view(-1), group, async_op=async_op),
+            comm.all_gather(data.view(-1), local.data.reshape(-1), group, async_op=async_op),
+            comm.all_gather(scales.view(-1), local.scales.reshape(-1), group, async_op=async_op),
         ]
 
     def wait(self) -> None:
         for work in self._works:
             if work is not None:
                 work.wait()
-        bits, block = self.meta
-        values = dequantize_rows(Quantized(self.data, self.scales, self.numel, bits, block))
-        self.output.view(self.size, self.numel).copy_(values)
+        q = self.gathered
+        self.output.view(q.data.shape[0], q.numel).copy_(dequantize_rows(q))
 
 
 class QuantizedReduceScatter:

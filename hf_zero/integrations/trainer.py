@@ -70,6 +70,14 @@ class ZeroTrainingArguments(TrainingArguments):
             self.use_cpu = True
         super().__post_init__()
 
+    def zero_setting_given(self, key: str) -> bool:
+        """Whether ZeroConfig field ``key`` was set by a flag, ``--zero_config`` or
+        ``$HF_ZERO_CONFIG`` (recipes use it to pick their own defaults without overriding you)."""
+        if any(getattr(self, flag) is not None for flag, name in FLAGS.items() if name == key):
+            return True
+        env_file = os.environ.get(ENV_VAR) or None
+        return key in {**explicit_values(env_file), **explicit_values(self.zero_config)}
+
     def resolve_zero_config(self) -> ZeroConfig:
         """The effective `ZeroConfig`; raises ``ValueError`` on contradictions."""
         cli = {name: getattr(self, flag) for flag, name in FLAGS.items()}
