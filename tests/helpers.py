@@ -170,6 +170,21 @@ def train_step(engine, model: torch.nn.Module, step: int, poison: bool = False) 
     return engine.step()
 
 
+def train_on_corpus(engine, steps: int, seq_len: int = 64, batch_size: int = 4) -> list[float]:
+    """``steps`` optimizer steps on the embedded corpus (disjoint windows per rank); losses."""
+    from hf_zero.tiny import token_batches
+
+    batches = token_batches(seq_len, batch_size, dist.get_rank(), dist.get_world_size(), seed=0)
+    losses = []
+    for _ in range(steps):
+        x = next(batches)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm-wise relative difference ||a - b|| / ||b||."""
     a, b = a.double(), b.double()

@@ -14,6 +14,7 @@ Tolerances, and why:
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import train_on_corpus
 
 import hf_zero
 from hf_zero.testing import run_distributed
@@ -92,20 +93,13 @@ def test_frozen_base_is_int8_and_sharded_and_optimizer_covers_only_adapters():
 
 
 def _converge(steps: int, out_dir: str) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     result = {}
     for name, mixz in {"bf16": False, "mixz": True}.items():
         torch.manual_seed(0)
         model = lora_model()
         engine = lora_engine(model, precision="bf16", quantized_nontrainable_weights=mixz)
-        batches = token_batches(64, 4, rank, world, seed=0)
-        losses = []
-        for _ in range(steps):
-            x = next(batches)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_on_corpus(engine, steps)
         result[name] = sum(losses[-20:]) / 20
         result[name + "_first"] = losses[0]
         if mixz:

@@ -25,6 +25,7 @@ from helpers import (
     max_loss_diff,
     max_param_diff,
     train_ddp,
+    train_on_corpus,
     train_step,
     train_zero,
     zero_engine,
@@ -40,7 +41,7 @@ from hf_zero.comm import (
 )
 from hf_zero.quant import QMAX
 from hf_zero.testing import run_distributed
-from hf_zero.tiny import tiny_llama, token_batches
+from hf_zero.tiny import tiny_llama
 from hf_zero.topology import Topology
 
 NODES = dict(node_size=2)
@@ -254,7 +255,6 @@ def test_inter_node_bytes_at_most_0_3x_of_zero3():
 
 
 def _converge(precision: str, steps: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     final = {}
     for name, cfg in {"plain": {}, "zero++": ALL}.items():
         model = tiny_llama(0)
@@ -269,14 +269,7 @@ def _converge(precision: str, steps: int) -> dict:
             **NODES,
             **cfg,
         )
-        batches = token_batches(64, 4, rank, world, seed=0)
-        losses = []
-        for _ in range(steps):
-            x = next(batches)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_on_corpus(engine, steps)
         final[name] = sum(losses[-20:]) / 20
         final[name + "_first"] = losses[0]
         final[name + "_skipped"] = engine.skipped_steps
