@@ -41,8 +41,11 @@ META = "zero_meta.json"
 MARKER = "COMPLETE"
 
 
-def shard_file(rank: int) -> str:
-    return f"zero_rank{rank:05d}.safetensors"
+def shard_file(dp_rank: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """One data-parallel rank's file (with AutoTP, of one tensor-parallel rank)."""
+    if tp_size == 1:
+        return f"zero_rank{dp_rank:05d}.safetensors"
+    return f"zero_tp{tp_rank:02d}_rank{dp_rank:05d}.safetensors"
 
 
 def is_complete(directory: str | Path) -> bool:
@@ -65,7 +68,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    _write_safetensors(_rank_tensors(engine), tmp / shard_file(rank))
+    topo = engine.topology
+    _write_safetensors(
+        _rank_tensors(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
+    )
     dist.barrier()  # every shard is on disk; a rank that died never gets past here
     if rank == 0:
         _write_text(tmp / META, json.dumps(_meta(engine), indent=1))
@@ -121,6 +127,8 @@ def _meta(engine: ZeroEngine) -> dict:
         "format_version": FORMAT_VERSION,
         "hf_zero_version": __version__,
         "world_size": engine.topology.dp_size,
+        "tp_size": engine.topology.tp_size,
+        "tp_plan": engine.tp.describe()["plan"] if engine.tp is not None else None,
         "stage": engine.config.stage,
         "precision": engine.config.precision,
         "groups": groups,
@@ -205,11 +213,13 @@ def read_meta(directory: str | Path) -> dict:
             f"hf_zero: checkpoint '{directory}' has format_version {meta.get('format_version')}; "
             f"this hf_zero reads format {FORMAT_VERSION}"
         )
-    for rank in range(meta["world_size"]):
-        path = directory / shard_file(rank)
-        if not path.is_file():
-            raise ValueError(f"hf_zero: checkpoint '{directory}' is missing {path.name}")
-        SafetensorsSliceReader(path)  # header and size check: a truncated file fails by name
+    tp_size = meta.get("tp_size", 1)
+    for tp_rank in range(tp_size):
+        for rank in range(meta["world_size"]):
+            path = directory / shard_file(rank, tp_rank, tp_size)
+            if not path.is_file():
+                raise ValueError(f"hf_zero: checkpoint '{directory}' is missing {path.name}")
+            SafetensorsSliceReader(path)  # header and size check: a truncated file fails by name
     return meta
 
 
@@ -276,9 +286,10 @@ class ShardReader:
     """Reads any element range of a parameter's saved values, from whichever old shards hold
     it; each rank's file is opened on first use. Shared by resharding load and consolidation."""
 
-    def __init__(self, directory: Path, meta: dict) -> None:
+    def __init__(self, directory: Path, meta: dict, tp_rank: int = 0) -> None:
         self.directory = directory
         self.meta = meta
+        self.tp_rank = tp_rank
         self._files: dict[int, SafetensorsSliceReader] = {}
         self.where = {}  # parameter name -> (old group, old slot)
         for group in meta["groups"]:
@@ -287,7 +298,8 @@ class ShardReader:
 
     def file(self, rank: int) -> SafetensorsSliceReader:
         if rank not in self._files:
-            self._files[rank] = SafetensorsSliceReader(self.directory / shard_file(rank))
+            name = shard_file(rank, self.tp_rank, self.meta.get("tp_size", 1))
+            self._files[rank] = SafetensorsSliceReader(self.directory / name)
         return self._files[rank]
 
     def read(self, name: str, key: str, start: int, count: int) -> torch.Tensor | None:
@@ -324,7 +336,15 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
     """Restore master weights, optimizer state and counters, resharding to this run's layout."""
     directory = Path(directory)
     meta = read_meta(directory)
-    reader = ShardReader(directory, meta)
+    saved_tp = meta.get("tp_size", 1)
+    if saved_tp != engine.topology.tp_size:
+        raise ValueError(
+            f"hf_zero: checkpoint '{directory}' was saved with 'tp_size' = {saved_tp}; this run "
+            f"has tp_size = {engine.topology.tp_size}. Resume with the same tensor-parallel "
+            "size (the data-parallel size may differ), or export full weights with "
+            "save_pretrained and start from those"
+        )
+    reader = ShardReader(directory, meta, engine.topology.tp_rank)
     _check_same_model(engine, meta, directory)
     optimizer = engine.optimizer.optimizer
     state_keys = _state_keys(meta, reader)
@@ -339,7 +359,7 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
     engine.global_steps = meta["global_steps"]
     engine.skipped_steps = meta["skipped_steps"]
     if meta["world_size"] == engine.topology.dp_size:
-        own = reader.file(engine.topology.rank)
+        own = reader.file(engine.topology.dp_rank)
         torch.set_rng_state(own.tensor("rng.torch"))
         if torch.cuda.is_available() and "rng.cuda" in own.header:
             torch.cuda.set_rng_state(own.tensor("rng.cuda"))

@@ -19,6 +19,7 @@ import difflib
 import json
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -127,6 +128,10 @@ class ZeroConfig:
 
     # --- topology ----------------------------------------------------------------------------
     tp_size: int = 1
+    """Tensor-parallel size (AutoTP); ZeRO runs over the ``world / tp_size`` data-parallel ranks."""
+    tp_plan: dict | str | None = None
+    """AutoTP: module-name regexes -> styles (winning over the model's own ``tp_plan``), or a
+    preset name (``"llama"``) for models that declare none."""
     node_size: int | None = None
     """Ranks per node; default ``LOCAL_WORLD_SIZE``. Set it to simulate several nodes on one host."""
 
@@ -272,6 +277,11 @@ class ZeroConfig:
                 "be even (INT4 packs two values per byte)"
             )
         _at_least("tp_size", self.tp_size, 1)
+        if self.tp_plan is not None and not isinstance(self.tp_plan, (str, Mapping)):
+            raise ValueError(
+                f"zero config: 'tp_plan' = {self.tp_plan!r} must be a preset name or a mapping of "
+                "module-name regexes to styles"
+            )
         if self.node_size is not None:
             _at_least("node_size", self.node_size, 1)
         if self.optimizer is not None and not isinstance(self.optimizer, Mapping):
@@ -576,7 +586,7 @@ def from_deepspeed(raw: Mapping) -> dict[str, Any]:
     if size is not None:
         values["tp_size"] = size
     if "partition_config" in tp:
-        ignored.append("tensor_parallel.partition_config")
+        values["tp_plan"] = _ds_partition_config(tp["partition_config"])
 
     if ignored:
         warnings.warn(
@@ -585,6 +595,30 @@ def from_deepspeed(raw: Mapping) -> dict[str, Any]:
             stacklevel=3,
         )
     return values
+
+
+_DS_PARTITION_TYPES = {"column": "colwise", "row": "rowwise", "skip": None}
+
+
+def _ds_partition_config(section: Mapping) -> dict[str, str]:
+    """DeepSpeed AutoTP ``layer_specs`` (parameter regexes, row/column) -> hf_zero ``tp_plan``."""
+    _check_section(
+        "tensor_parallel.partition_config", section, {"use_default_specs", "layer_specs"}
+    )
+    plan = {}
+    for spec in section.get("layer_specs", []):
+        kind = spec.get("partition_type")
+        if kind not in _DS_PARTITION_TYPES:
+            raise ValueError(
+                f"deepspeed config: 'partition_type' = {kind!r} is not supported; allowed: "
+                + ", ".join(repr(k) for k in _DS_PARTITION_TYPES)
+            )
+        for pattern in spec.get("patterns", []):
+            # DeepSpeed matches parameter names (``...o_proj.weight``); hf_zero matches modules.
+            module_pattern = re.sub(r"(\\?\.weight)?\$?$", "", pattern)
+            if _DS_PARTITION_TYPES[kind]:
+                plan[module_pattern] = _DS_PARTITION_TYPES[kind]
+    return plan
 
 
 def _section(raw: Mapping, key: str) -> Mapping:

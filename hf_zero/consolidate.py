@@ -68,6 +68,12 @@ def consolidate(
     checkpoint, output = Path(checkpoint), Path(output)
     reader = ShardReader(checkpoint, read_meta(checkpoint))
     meta = reader.meta
+    if meta.get("tp_size", 1) > 1:
+        raise NotImplementedError(
+            f"hf_zero consolidate: '{checkpoint}' holds tensor-parallel slices (tp_size = "
+            f"{meta['tp_size']}); joining them offline is not implemented. Save full weights "
+            "from the run instead (save_model / save_pretrained gathers across TP ranks)"
+        )
 
     params = [slot for group in meta["groups"] for slot in group["params"]]
     if adapter_only:

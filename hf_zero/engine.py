@@ -27,7 +27,8 @@ from hf_zero.partitioned_init import unshard
 from hf_zero.precision import DTYPES, LossScaler, dtype_of
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Unit, Zero3Coordinator, assign_params_to_units, find_units, gathered
-from hf_zero.topology import Topology, current_device, init_distributed
+from hf_zero.topology import Group, Topology, current_device, init_distributed
+from hf_zero.tp import PRESETS, TensorParallel, gather_full, resolve_plan
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class ZeroEngine:
         self.dtype = DTYPES[config.precision]
 
         model.to(self.device)
+        self.tp: TensorParallel | None = None
+        if self.topology.tp_size > 1:
+            self._apply_tensor_parallel(optimizer)
         self._broadcast_module()
 
         self.groups = self._build_groups(optimizer)
@@ -120,7 +124,12 @@ class ZeroEngine:
         )
         self.reducer.on_backward_end = self._check_backward
         self.optimizer = ShardedOptimizer(
-            optimizer, self.groups, self.comm, self.topology.dp, self.loss_scaler
+            optimizer,
+            self.groups,
+            self.comm,
+            self.topology.dp,
+            self.loss_scaler,
+            tp_group=self.topology.tp if self.tp is not None else None,
         )
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
@@ -143,6 +152,11 @@ class ZeroEngine:
             f"ZeRO stage {config.stage}",
             config.precision,
             f"data parallel {topo.dp_size} ({topo.num_nodes} node(s) of {topo.node_size})",
+            *(
+                [f"tensor parallel {topo.tp_size} (AutoTP, {len(self.tp.plan)} modules)"]
+                if self.tp
+                else []
+            ),
             f"{len(self.groups)} trainable buckets",
         ]
         if config.offload_optimizer != "none":
@@ -160,6 +174,27 @@ class ZeroEngine:
         return ", ".join(parts)
 
     # --- construction ------------------------------------------------------------------------
+    def _apply_tensor_parallel(self, optimizer: torch.optim.Optimizer) -> None:
+        """Split the planned modules over the TP group (AutoTP) and re-point the optimizer."""
+        plan = resolve_plan(self.module, self.config.tp_plan)
+        if not plan:
+            kind = getattr(getattr(self.module, "config", None), "model_type", None)
+            raise ValueError(
+                f"hf_zero AutoTP: 'tp_size' = {self.topology.tp_size} but the model "
+                f"({type(self.module).__name__}, model_type {kind!r}) declares no tp_plan; set "
+                "'tp_plan' in the config to a mapping of module regexes to styles or a preset "
+                f"({', '.join(PRESETS)})"
+            )
+        # Every rank must split the same full weights: rank 0's, as DDP starts from.
+        world = Group(None, tuple(range(self.topology.world_size)), self.topology.num_nodes > 1)
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                self.comm.broadcast(t.data, 0, world)
+        self.tp = TensorParallel(self.module, plan, self.topology.tp)
+        self.tp.apply()
+        for group in optimizer.param_groups:
+            group["params"] = [self.tp.replaced.get(id(p), p) for p in group["params"]]
+
     def _broadcast_module(self) -> None:
         """Start every data-parallel rank from rank 0's weights and buffers, as DDP does."""
         src = self.topology.dp.ranks[0]
@@ -214,6 +249,7 @@ class ZeroEngine:
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()
+            group.tp_split = self._tp_split(params[0])
             return group
 
         self.units: list[Unit] = []
@@ -227,10 +263,11 @@ class ZeroEngine:
                 unshard(module)  # partitioned_init models are whole under stages 0-2
             replicated, groups = trainable, []
         # Gradients become ready roughly in reverse order of registration.
-        items = [(group_of[id(p)], p) for p in reversed(replicated)]
+        # Buckets never mix TP-split and replicated parameters (their norms add differently).
+        items = [((group_of[id(p)], self._tp_split(p)), p) for p in reversed(replicated)]
         stage = min(self.config.stage, 2)
         buckets = bucket_params(items, self.config.reduce_bucket_size)
-        groups += [make(pg, params, stage) for pg, params in buckets]
+        groups += [make(key[0], params, stage) for key, params in buckets]
         # Reductions launch in the order buckets complete: when their earliest parameter is done.
         position = {id(p): i for i, p in enumerate(ordered)}
         groups.sort(key=lambda g: -min(position[id(p)] for p in g.params))
@@ -249,11 +286,12 @@ class ZeroEngine:
             if _numel(p) < threshold:
                 continue  # stays whole on every rank
             pg = group_of.get(id(p)) if p.requires_grad else None
-            members.setdefault(owner[id(p)], {}).setdefault(pg, []).append(p)
+            key = (pg, self._tp_split(p))
+            members.setdefault(owner[id(p)], {}).setdefault(key, []).append(p)
         groups = []
         for unit in self.units:
             unshard(unit.module)  # a partitioned_init unit is whole only while it is regrouped
-            for pg, params in members.get(unit.index, {}).items():
+            for (pg, _), params in members.get(unit.index, {}).items():
                 group = make(pg, params, 3)
                 unit.groups.append(group)
                 (groups if pg is not None else self.frozen_groups).append(group)
@@ -308,6 +346,9 @@ class ZeroEngine:
                 block,
                 padded,
             )
+
+    def _tp_split(self, param: torch.Tensor) -> bool:
+        return self.tp is not None and self.tp.shard_of(param) is not None
 
     def _cast_other_params(self) -> None:
         """Cast parameters outside the buckets (frozen ones) to the compute dtype."""
@@ -465,15 +506,23 @@ class ZeroEngine:
         fp32 master values. With ``rank0_only`` other ranks get ``{}``.
         """
         keep = not rank0_only or self.topology.rank == 0
+        tp = self.tp  # TP-split tensors are gathered over the TP group: every rank takes part
+
+        def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+            shard = tp.shard_of(p) if tp is not None else None
+            if shard is not None:
+                value = gather_full(value, shard, self.topology.tp)
+            return value.to("cpu", copy=True) if keep else None
+
         values: dict[int, torch.Tensor] = {}
         for group in self.groups + self.frozen_groups:
             full32 = group.full_master() if master_weights and group.trainable else None
             with gathered([group]):
-                if keep:
+                if keep or tp is not None:
                     for slot, p in zip(group.layout.slots, group.params):
                         source = p if full32 is None else full32[slot.offset : slot.end]
-                        values[id(p)] = source.detach().view(slot.shape).to("cpu", copy=True)
-        if not keep:
+                        values[id(p)] = whole(p, source.detach().view(slot.shape))
+        if not keep and tp is None:
             return {}
         names = dict(self.module.named_parameters(remove_duplicate=False))
         state = {}
@@ -482,8 +531,10 @@ class ZeroEngine:
             if p is not None and id(p) in values:
                 state[key] = values[id(p)]
             else:
-                state[key] = tensor.detach().to("cpu", copy=True)
-        return state
+                if p is not None:
+                    values[id(p)] = whole(p, tensor.detach())  # tied keys: gathered once
+                state[key] = values[id(p)] if p is not None else whole(tensor, tensor.detach())
+        return state if keep else {}
 
     def save_checkpoint(self, directory: str | Path, keep_last: int | None = None) -> None:
         """Write master shards and optimizer state, one file per rank, atomically (collective).
@@ -548,7 +599,6 @@ def _refuse_unfinished(config: ZeroConfig) -> None:
     """Features the config accepts but this version does not implement yet."""
     unfinished = {
         "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
-        "tp_size": (config.tp_size > 1, "AutoTP tensor parallelism"),
     }
     for key, (requested, what) in unfinished.items():
         if requested:

@@ -77,6 +77,8 @@ class FlatParamGroup:
     ) -> None:
         self.index = index
         self.zeropp = zeropp or ZeroPPSettings()
+        self.tp_split = False
+        """AutoTP: the parameters are this rank's slices (their gradient norms add over TP)."""
         self.offload = offload
         self.host = torch.device("cpu")
         self.param_group_index = param_group_index

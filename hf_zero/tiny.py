@@ -9,23 +9,24 @@ from importlib import resources
 
 import torch
 
+TINY_DECODER = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+"""The tiny decoder's dimensions (GQA: 4 query heads, 2 KV heads), shared by the models below."""
+
 
 def tiny_llama_config(**overrides):
     """A LlamaConfig small enough for CPU tests; ``overrides`` change any field."""
     from transformers import LlamaConfig
 
-    values = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
+    return LlamaConfig(**{**TINY_DECODER, **overrides})
 
 
 def tiny_llama(seed: int = 0, **overrides) -> torch.nn.Module:
@@ -34,6 +35,14 @@ def tiny_llama(seed: int = 0, **overrides) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_qwen3(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny ``Qwen3ForCausalLM`` (per-head q/k norms), same dimensions as `tiny_llama`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**{**TINY_DECODER, "head_dim": 16, **overrides}))
 
 
 def tiny_corpus() -> str:

@@ -29,8 +29,8 @@ FROZEN = "model.layers.0.input_layernorm.weight"
 SEQ, BATCH = 16, 2
 
 
-def build_model(seed: int = 0, checkpointing: bool = False) -> torch.nn.Module:
-    model = tiny_llama(seed, **MODEL)
+def build_model(seed: int = 0, checkpointing: bool = False, **overrides) -> torch.nn.Module:
+    model = tiny_llama(seed, **{**MODEL, **overrides})
     model.get_parameter(FROZEN).requires_grad_(False)
     if checkpointing:
         model.activation_checkpointing_enable()
@@ -71,18 +71,22 @@ def train_ddp(
     make_scheduler=None,
     norms: list | None = None,
     checkpointing: bool = False,
+    process_group=None,
+    data_rank: int | None = None,
+    model_kwargs: dict | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: torch DDP, with fp32 master weights kept by hand for 16-bit precisions.
 
-    ``norms`` collects the pre-clip global gradient norm of each step.
+    ``norms`` collects the pre-clip global gradient norm of each step. ``process_group`` and
+    ``data_rank`` run DDP on a subgroup (the data-parallel ranks of a TP x DP run).
     """
-    rank = dist.get_rank()
-    model = build_model(seed, checkpointing)
-    master = build_model(seed) if precision != "fp32" else model
+    rank = dist.get_rank() if data_rank is None else data_rank
+    model = build_model(seed, checkpointing, **(model_kwargs or {}))
+    master = build_model(seed, **(model_kwargs or {})) if precision != "fp32" else model
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     for p in model.parameters():  # buffers (rotary inv_freq) stay fp32, as in HF bf16 models
         p.data = p.data.to(dtype)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
     opt = make_optimizer(two_param_groups(master))
     scheduler = make_scheduler(opt) if make_scheduler else None
     trainable = [(p, q) for p, q in zip(model.parameters(), master.parameters()) if p.requires_grad]
@@ -123,11 +127,13 @@ def train_zero(
     seed: int = 0,
     checkpointing: bool = False,
     make_optimizer=adamw,
+    data_rank: int | None = None,
+    model_kwargs: dict | None = None,
     **cfg,
 ):
     """The same run through hf_zero; returns (losses, parameters, engine)."""
-    rank = dist.get_rank()
-    model = build_model(seed, checkpointing)
+    rank = dist.get_rank() if data_rank is None else data_rank
+    model = build_model(seed, checkpointing, **(model_kwargs or {}))
     engine = hf_zero.initialize(
         model,
         make_optimizer(two_param_groups(model)),

@@ -60,7 +60,7 @@ def test_missing_optimizer_and_unfinished_features(single_rank):
     with pytest.raises(ValueError, match="pass an optimizer"):
         hf_zero.initialize(model, None, stage=2)
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(NotImplementedError, match="'tp_size' = 2 asks for AutoTP"):
+    with pytest.raises(ValueError, match="'tp_size' = 2 must divide the world size 1"):
         hf_zero.initialize(model, opt, stage=2, tp_size=2)
     with pytest.raises(NotImplementedError, match="'offload_param' = 'cpu' asks for parameter"):
         hf_zero.initialize(model, opt, stage=3, offload_param="cpu")

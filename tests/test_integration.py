@@ -166,6 +166,27 @@ def test_full_recipe_zero3_with_zeropp_trainer_flags(tmp_path):
     assert ((fresh - trained).norm() / trained.norm()).item() < 0.05
 
 
+def test_full_recipe_with_tensor_parallel_two_ranks(tmp_path):
+    """--tp_size 2 on 2 processes (TP 2 x DP 1) under ZeRO-1: the saved model is whole
+    (gathered across the TP ranks) and reproduces the trained model's logits."""
+    out = tmp_path / "tp"
+    done = _launch(
+        "finetune_full.py",
+        "--zero_stage", "1",
+        "--tp_size", "2",
+        "--output_dir", str(out),
+        "--max_steps", "20",
+        "--logging_steps", "10",
+        "--learning_rate", "3e-3",
+        "--save_strategy", "no",
+    )  # fmt: skip
+    assert "tensor parallel 2 (AutoTP" in done.stdout + done.stderr
+    losses = _losses(out)
+    assert losses[20] < losses[10]
+    fresh = _saved_model_probe(out)
+    torch.testing.assert_close(fresh, torch.load(out / "probe_logits.pt"), rtol=1e-5, atol=1e-5)
+
+
 def test_trainer_resume_continues_exactly(tmp_path):
     flags = [
         "--zero_stage", "3",

@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import accelerate.accelerator as accelerator_module
 import numpy as np
 import torch
 from accelerate import Accelerator
@@ -134,6 +135,25 @@ class ZeroAccelerator(Accelerator):
             )
         result = super().prepare(*args, device_placement=device_placement)
         return result
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """As Accelerate's, but sharded over the data-parallel ranks only: with AutoTP the
+        ranks of one tensor-parallel group must see the same batch."""
+        tp = self.zero_plugin.config.tp_size
+        if tp == 1:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        # Accelerate passes its own process count and index; swap them for this one call.
+        original = accelerator_module.prepare_data_loader
+        dp_size, dp_rank = self.num_processes // tp, self.process_index // tp
+
+        def per_dp_rank(*args, **kwargs):
+            return original(*args, **{**kwargs, "num_processes": dp_size, "process_index": dp_rank})
+
+        accelerator_module.prepare_data_loader = per_dp_rank
+        try:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        finally:
+            accelerator_module.prepare_data_loader = original
 
     def _make_engine(self, model: torch.nn.Module, optimizer) -> ZeroEngine:
         # Accelerate (and the Trainer) scale the loss and call clip_grad_norm_ themselves, so

@@ -155,8 +155,10 @@ class ShardedOptimizer:
         comm: Collectives,
         dp_group: Group,
         loss_scaler: LossScaler,
+        tp_group: Group | None = None,
     ) -> None:
         self.optimizer = optimizer
+        self.tp_group = tp_group
         self.groups = groups
         self.comm = comm
         self.dp_group = dp_group
@@ -187,6 +189,8 @@ class ShardedOptimizer:
             local = any(not torch.isfinite(g).all() for g in grads)
             flag = torch.tensor([1.0 if local else 0.0], device=self._comm_device())
             self.comm.all_reduce_max(flag, self.dp_group)
+            if self.tp_group is not None:
+                self.comm.all_reduce_max(flag, self.tp_group)
             self._overflow = bool(flag.item())
             if not self._overflow:
                 inv = 1.0 / self.loss_scaler.scale
@@ -197,14 +201,20 @@ class ShardedOptimizer:
     def global_grad_norm(self) -> float:
         """L2 norm of the whole (unscaled) gradient across all shards (collective)."""
         self.prepare_grads()
-        sq = torch.zeros(1, dtype=torch.float32, device=self._master_device())
+        # With TP: [replicated, TP-split]; a TP-split parameter's norm sums over its TP slices.
+        tp = self.tp_group is not None
+        sq = torch.zeros(2 if tp else 1, dtype=torch.float32, device=self._master_device())
         for g in self.groups:
             if g.master.grad is not None:
-                sq += g.master.grad.float().pow(2).sum()
+                sq[int(g.tp_split and tp)] += g.master.grad.float().pow(2).sum()
         sq = sq.to(self._comm_device())
         if self.groups and self.groups[0].layout.num_shards > 1:
             self.comm.all_reduce(sq, self.dp_group)
-        return math.sqrt(sq.item())
+        if tp:
+            split = sq[1:].clone()
+            self.comm.all_reduce(split, self.tp_group)
+            sq[1:] = split
+        return math.sqrt(sq.sum().item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
