@@ -1,6 +1,9 @@
 """The ``hf-zero`` command.
 
 hf-zero config FILE        validate an hf_zero YAML/JSON or DeepSpeed JSON, print the result
+hf-zero estimate ...       per-rank memory per stage (model states, working set, activations)
+hf-zero run SCRIPT ...     an unmodified Trainer script with hf_zero (see hf_zero.run)
+hf-zero autoload on|off    let HF_ZERO_CONFIG alone activate hf_zero (a .pth hook)
 hf-zero env                versions and devices, for bug reports
 hf-zero --version
 """
@@ -52,37 +55,138 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count_params(args: argparse.Namespace) -> int:
+# Well-known shapes for `hf-zero estimate --model NAME` (no download): transformers config fields.
+MODEL_PRESETS = {
+    "llama-2-7b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+    ),
+    "llama-2-13b": dict(
+        model_type="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "llama-3-70b": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    ),
+}  # fmt: skip
+
+
+def _model_shape(args: argparse.Namespace):
+    """A `ModelShape` from --params, --model-config (a local directory) or --model (a preset)."""
+    from hf_zero.memory import ModelShape, shape_of
+
     if args.params is not None:
-        return int(float(args.params))
+        return ModelShape(params=int(float(args.params)))
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(args.model_config)
+    if args.model is not None:
+        if args.model not in MODEL_PRESETS:
+            raise ValueError(f"--model {args.model!r}; known: {', '.join(MODEL_PRESETS)}")
+        values = dict(MODEL_PRESETS[args.model])
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    else:
+        config = AutoConfig.from_pretrained(args.model_config)
     with torch.device("meta"):  # shapes only: nothing is allocated
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+        return shape_of(AutoModelForCausalLM.from_config(config))
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from hf_zero.memory import model_state_bytes
+    from hf_zero.memory import PAPER_FORMULA, activation_bytes, estimate, working_set_bytes
 
-    if (args.params is None) == (args.model_config is None):
-        print("error: give exactly one of --params or --model-config", file=sys.stderr)
+    given = [a for a in (args.params, args.model_config, args.model) if a is not None]
+    if len(given) != 1:
+        print("error: give exactly one of --params, --model-config or --model", file=sys.stderr)
         return 2
-    params = _count_params(args)
+    try:
+        shape = _model_shape(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    frozen = 0
+    if args.trainable_params is not None:
+        frozen = shape.params - int(float(args.trainable_params))
     gib = 2**30
-    print(f"{params:,} parameters, {args.dp} data-parallel ranks, {args.precision}, Adam")
-    print(f"{'stage':>5} {'offload':>8} {'device GiB':>11} {'host GiB':>9}")
+    print(
+        f"{shape.params:,} parameters ({shape.tp_split_params:,} split by AutoTP), "
+        f"{args.dp} data-parallel x {args.tp} tensor-parallel ranks, {args.precision}, Adam"
+        + (f", {frozen:,} frozen" + (" as INT8 (MixZ++)" if args.mixz else "") if frozen else "")
+        + (f", hpZ {args.hpz}" if args.hpz > 1 else "")
+    )
+    print(
+        f"{'stage':>5} {'offload':>8} {'device GiB':>11} {'host GiB':>9} {'+ working set':>14} "
+        f"{'ZeRO paper':>11}"
+    )
     for stage in (0, 1, 2, 3):
         for offload in (False, True):
             if offload and stage == 0:
                 continue
-            m = model_state_bytes(params, args.dp, stage, args.precision, offload)
+            m = estimate(
+                shape, args.dp, stage, args.precision, offload, args.tp,
+                args.hpz, frozen, args.mixz,
+            )  # fmt: skip
+            work = working_set_bytes(shape, stage, args.precision, args.tp)
             print(
-                f"{stage:>5} {offload!s:>8} {m['total'] / gib:>11.2f} {m['host_total'] / gib:>9.2f}"
+                f"{stage:>5} {offload!s:>8} {m['total'] / gib:>11.2f} "
+                f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} {PAPER_FORMULA[stage]:>11}"
             )
-    print("model states only (parameters, gradients, master weights, Adam); add activations")
+    if shape.hidden:
+        for ckpt in (False, True):
+            act = activation_bytes(
+                shape, args.seq_len, args.micro_batch, args.precision, ckpt, args.tp
+            )
+            label = "with" if ckpt else "without"
+            print(
+                f"activations {label} checkpointing (sequence {args.seq_len}, micro-batch "
+                f"{args.micro_batch}): {act / gib:.2f} GiB"
+            )
+    print(
+        "model states: parameters, gradients, fp32 master weights, Adam (hf_zero keeps fp32 "
+        "gradient shards: stage 2 is 2P + 16P/N); working set: stage 3's gathered layers"
+    )
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from hf_zero.run import main as run_main
+
+    return run_main([args.script, *args.script_args])
+
+
+def _pth_path(site_dir: str | None):
+    import sysconfig
+    from pathlib import Path
+
+    from hf_zero._autoload import PTH_NAME
+
+    return Path(site_dir or sysconfig.get_paths()["purelib"]) / PTH_NAME
+
+
+def _cmd_autoload(args: argparse.Namespace) -> int:
+    from hf_zero._autoload import PTH_LINE
+
+    path = _pth_path(args.site_dir)
+    if args.action == "on":
+        path.write_text(PTH_LINE)
+        print(f"wrote {path}: HF_ZERO_CONFIG=FILE now puts hf_zero under every Trainer")
+    elif args.action == "off":
+        path.unlink(missing_ok=True)
+        print(f"removed {path}")
+    else:
+        print(f"{'on' if path.is_file() else 'off'} ({path})")
     return 0
 
 
@@ -128,12 +232,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter-only", action="store_true", help="LoRA weights, PEFT key names")
     p.add_argument("--max-shard-size-gb", type=float, default=5.0)
     p.set_defaults(func=_cmd_consolidate)
-    p = sub.add_parser("estimate", help="per-rank model-state memory of each ZeRO stage")
+    p = sub.add_parser("estimate", help="per-rank memory of each ZeRO stage")
     p.add_argument("--params", help="parameter count, e.g. 7e9")
     p.add_argument("--model-config", help="a local model directory or config.json")
+    p.add_argument("--model", help=f"a known shape: {', '.join(MODEL_PRESETS)}")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (AutoTP)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ partition size")
+    p.add_argument("--trainable-params", help="LoRA: trainable count; the rest is frozen")
+    p.add_argument("--mixz", action="store_true", help="frozen weights as INT8 shards")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
     p.set_defaults(func=_cmd_estimate)
+    p = sub.add_parser("run", help="run an unmodified Trainer script with hf_zero")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments + hf_zero flags")
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("autoload", help="let HF_ZERO_CONFIG activate hf_zero in any command")
+    p.add_argument("action", choices=["on", "off", "status"])
+    p.add_argument("--site-dir", help="site-packages directory (default: this environment's)")
+    p.set_defaults(func=_cmd_autoload)
     p = sub.add_parser("env", help="print versions and devices")
     p.set_defaults(func=_cmd_env)
     args = parser.parse_args(argv)

@@ -39,3 +39,28 @@ def test_estimate_from_a_count_and_from_a_local_config(tmp_path, capsys):
     assert main(["estimate", "--model-config", str(tmp_path)]) == 0
     assert "90,432 parameters" in capsys.readouterr().out  # counted on the meta device
     assert main(["estimate"]) == 2
+    assert main(["estimate", "--params", "1e9", "--model", "llama-3-8b"]) == 2
+
+
+def test_estimate_presets_tp_mixz_and_activations(capsys):
+    from hf_zero.cli import MODEL_PRESETS
+
+    assert main(["estimate", "--model", "llama-3-8b", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "8,030,261,248 parameters" in out  # Llama 3 8B, counted on the meta device
+    assert "activations with checkpointing" in out and "activations without" in out
+    assert main(["estimate", "--model", "llama-3-8b", "--dp", "8", "--tp", "2"]) == 0
+    tp2 = capsys.readouterr().out
+    stage0 = [
+        line.split()
+        for line in (out, tp2)
+        for line in line.splitlines()
+        if line.startswith("    0")
+    ]
+    assert float(stage0[1][2]) < 0.51 * float(stage0[0][2])  # TP halves almost everything
+    args = ["estimate", "--model", "llama-3-8b", "--dp", "8", "--trainable-params", "4e7"]
+    assert main([*args, "--mixz"]) == 0
+    mixz = capsys.readouterr().out
+    assert "frozen as INT8 (MixZ++)" in mixz
+    assert main(["estimate", "--model", "gpt-17"]) == 2
+    assert "known: " + ", ".join(MODEL_PRESETS) in capsys.readouterr().err

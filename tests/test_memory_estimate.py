@@ -58,3 +58,64 @@ def test_estimate_matches_measured_memory(stage, precision, offload):
         assert abs(r["grads"] - expected_grads) <= slack
         host = measured["host_optimizer_states"]
         assert abs(host - estimate["host_optimizer_states"]) <= slack
+
+
+def _measure_whole_model(case: str) -> dict:
+    """Per-rank bytes after backward (the model-state peak) for AutoTP, hpZ and MixZ++."""
+    from hf_zero.memory import shape_of
+
+    world = dist.get_world_size()
+    if case == "mixz":
+        from test_mixz import lora_model
+
+        model = lora_model()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        cfg = dict(stage=3, quantized_nontrainable_weights=True)
+    else:
+        model = build_model(vocab_size=250, intermediate_size=96)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        trainable = list(model.parameters())
+        cfg = dict(stage=1, tp_size=2) if case == "tp" else dict(stage=3, hpz_partition_size=2)
+    shape = shape_of(model)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(trainable), precision="bf16", param_persistence_threshold=0, **cfg
+    )
+    x = batch(engine.topology.dp_rank, 0, 0, vocab=250)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    measured = engine.memory_report()
+    padded = sum(g.numel for g in engine.groups + engine.frozen_groups)
+    real = sum(p.numel() for g in engine.groups + engine.frozen_groups for p in g.params)
+    return {
+        "measured": measured,
+        "shape": shape,
+        "dp": engine.topology.dp_size,
+        "frozen": frozen,
+        "padding": padded - real,
+        "world": world,
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "options"),
+    [
+        ("tp", 4, dict(stage=1, tp_size=2)),
+        ("hpz", 4, dict(stage=3, hpz=2)),
+        ("mixz", 2, dict(stage=3, mixz=True)),
+    ],
+)
+def test_whole_model_estimate_matches_measured_memory(case, world, options):
+    """`hf-zero estimate`'s numbers for AutoTP, hpZ and MixZ++ against memory_report()."""
+    from hf_zero.memory import estimate
+
+    for r in run_distributed(_measure_whole_model, world, args=(case,)):
+        est = estimate(r["shape"], r["dp"], precision="bf16", frozen_params=r["frozen"], **options)
+        slack = 18 * r["padding"] + 64  # padding elements at up to 18 bytes, step counters
+        m = r["measured"]
+        for kind in ("params", "master_weights", "secondary_params"):
+            assert abs(m[kind] - est[kind]) <= slack, (kind, m[kind], est[kind])
+        # Quantized shards: whole blocks of 256 (+ a scale each) per frozen group.
+        assert abs(m["quantized_params"] - est.get("quantized_params", 0)) <= slack + 260 * 8
+        if case == "tp":
+            assert r["shape"].tp_split_params > 0.9 * r["shape"].params
