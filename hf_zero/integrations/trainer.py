@@ -81,40 +81,54 @@ class ZeroTrainingArguments(TrainingArguments):
     def resolve_zero_config(self) -> ZeroConfig:
         """The effective `ZeroConfig`; raises ``ValueError`` on contradictions."""
         cli = {name: getattr(self, flag) for flag, name in FLAGS.items()}
-        flag_names = {name: flag for flag, name in FLAGS.items()}
-        config = resolve_sources(cli, self.zero_config, flag_names=flag_names)
-        env_file = os.environ.get(ENV_VAR) or None
-        explicit = {**explicit_values(env_file), **explicit_values(self.zero_config)}
-        precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-        trainer_values = {
-            "train_micro_batch_size_per_gpu": self.per_device_train_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "gradient_clipping": self.max_grad_norm,
-            "precision": precision,
-        }
-        for key, ours in trainer_values.items():
-            theirs = explicit.get(key)
-            if key == "precision" and ours == "fp32":
-                continue  # no --bf16/--fp16 given: the zero config decides
-            if theirs not in (None, AUTO) and theirs != ours:
-                source = self.zero_config or env_file
-                raise ValueError(
-                    f"hf_zero: '{key}' = {theirs!r} in {source} contradicts the "
-                    f"Trainer's arguments ({key} = {ours!r}); set it to 'auto' or make them agree"
-                )
-        if explicit.get("precision") in (None, AUTO):
-            config.precision = AUTO  # filled from --bf16/--fp16 just below
-        return config.resolve_auto(
-            micro_batch_size=self.per_device_train_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            max_grad_norm=self.max_grad_norm,
-            precision=precision,
-            final=False,  # bucket sizes and thresholds follow the model in initialize()
-        )
+        return zero_config_for(self, cli, self.zero_config)
 
 
-class ZeroTrainer(Trainer):
-    """A ``Trainer`` whose model and optimizer run on hf_zero's engine.
+def zero_config_for(
+    args: TrainingArguments, cli: dict | None = None, zero_config: str | None = None
+) -> ZeroConfig:
+    """The `ZeroConfig` for a run with these Trainer arguments: ``cli`` values (field names) >
+    the ``zero_config`` file > ``$HF_ZERO_CONFIG``; ``"auto"`` filled from ``args``.
+
+    Raises ``ValueError`` when a file contradicts the Trainer's own batch size, accumulation,
+    clipping or precision (as the DeepSpeed integration does).
+    """
+    flag_names = {name: flag for flag, name in FLAGS.items()}
+    config = resolve_sources(cli or {}, zero_config, flag_names=flag_names)
+    env_file = os.environ.get(ENV_VAR) or None
+    explicit = {**explicit_values(env_file), **explicit_values(zero_config)}
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    trainer_values = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
+        "precision": precision,
+    }
+    for key, ours in trainer_values.items():
+        theirs = explicit.get(key)
+        if key == "precision" and ours == "fp32":
+            continue  # no --bf16/--fp16 given: the zero config decides
+        if theirs not in (None, AUTO) and theirs != ours:
+            source = zero_config or env_file
+            raise ValueError(
+                f"hf_zero: '{key}' = {theirs!r} in {source} contradicts the "
+                f"Trainer's arguments ({key} = {ours!r}); set it to 'auto' or make them agree"
+            )
+    if explicit.get("precision") in (None, AUTO):
+        config.precision = AUTO  # filled from --bf16/--fp16 just below
+    return config.resolve_auto(
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_grad_norm=args.max_grad_norm,
+        precision=precision,
+        final=False,  # bucket sizes and thresholds follow the model in initialize()
+    )
+
+
+class ZeroTrainerMixin:
+    """Put hf_zero under any ``Trainer`` subclass: ``class MyTrainer(ZeroTrainerMixin, SFTTrainer)``.
+
+    The model and optimizer run on hf_zero's engine.
 
     ``save_model`` gathers the weights first, so ``from_pretrained`` loads what it writes (for a
     PEFT model: the adapter, in PEFT format, under every stage). Checkpoints keep the sharded
@@ -137,7 +151,10 @@ class ZeroTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         config = self._zero_config or getattr(self.args, "zero", None)
         if config is None:
-            config = ZeroConfig.load(os.environ.get("HF_ZERO_CONFIG") or None)
+            # Plain TrainingArguments: `hf_zero.run`'s flags, if active, and $HF_ZERO_CONFIG.
+            from hf_zero.run import active_sources
+
+            config = zero_config_for(self.args, *active_sources())
         plugin = ZeroPlugin(config)
         # The Trainer builds `Accelerator(**args)` inline; swap the class for that one call.
         original = trainer_module.Accelerator
@@ -197,3 +214,7 @@ class ZeroTrainer(Trainer):
                 if nbytes:
                     logs[f"mem_MB_{kind}"] = round(nbytes / 2**20, 3)
         super().log(logs, start_time)
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """A ``Trainer`` whose model and optimizer run on hf_zero's engine (see `ZeroTrainerMixin`)."""

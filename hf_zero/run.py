@@ -1,0 +1,145 @@
+"""Run an unmodified Trainer script with hf_zero: ``python -m hf_zero.run script.py ARGS``.
+
+    hf-zero run train.py --output_dir out --zero_stage 3            # one process
+    torchrun --nproc_per_node 2 -m hf_zero.run train.py ... --zero_stage 3
+    accelerate launch --config_file c.yaml -m hf_zero.run train.py ... --zero_stage 3
+
+hf_zero's flags (``--zero_stage``, ``--zero_config``, ``--offload_optimizer``,
+``--zero_quantized_weights``, ``--zero_hpz_partition_size``, ``--zero_quantized_gradients``,
+``--zero_quantized_nontrainable_weights``, ``--tp_size``) are taken out of the argument list, so
+the script's own parser never sees them; they are validated before the script starts. Then the
+script runs as ``__main__`` with one change, and only one: the names ``transformers.Trainer`` and
+``transformers.trainer.Trainer`` point at `ZeroTrainer` (a subclass of the original). Every
+Trainer the script builds - including subclasses it defines and TRL's trainers, which subclass
+``transformers.Trainer`` when they are imported - then uses hf_zero's accelerator and its
+save/load paths. Nothing else is patched; a script run without this module behaves exactly as
+stock transformers.
+
+``HF_ZERO_CONFIG=f.yaml`` alone does the same for commands you cannot change, once
+``hf-zero autoload on`` has put a one-line ``.pth`` hook into the environment (see
+`hf_zero._autoload`); ``hf-zero autoload off`` removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Any
+
+# --flag -> (ZeroConfig field, parser for its value)
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in _BOOL:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return _BOOL[text.lower()]
+
+
+FLAGS: dict[str, tuple[str, Any]] = {
+    "--zero_stage": ("stage", int),
+    "--zero_config": ("", str),
+    "--offload_optimizer": ("offload_optimizer", str),
+    "--zero_quantized_weights": ("quantized_weights", _bool),
+    "--zero_hpz_partition_size": ("hpz_partition_size", str),
+    "--zero_quantized_gradients": ("quantized_gradients", _bool),
+    "--zero_quantized_nontrainable_weights": ("quantized_nontrainable_weights", _bool),
+    "--tp_size": ("tp_size", int),
+}
+BOOLEAN_FLAGS = {f for f, (_, kind) in FLAGS.items() if kind is _bool}
+
+_active: tuple[dict[str, Any], str | None] | None = None
+
+
+def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]:
+    """``(config values, --zero_config path, the rest)``; ``--flag value`` and ``--flag=value``.
+
+    A boolean flag given without a value means true. Raises ``ValueError`` naming a bad value.
+    """
+    values: dict[str, Any] = {}
+    config_file = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, inline = arg.partition("=")
+        if flag not in FLAGS:
+            rest.append(arg)
+            i += 1
+            continue
+        if eq:
+            text, i = inline, i + 1
+        elif flag in BOOLEAN_FLAGS and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            text, i = "true", i + 1
+        elif i + 1 < len(argv):
+            text, i = argv[i + 1], i + 2
+        else:
+            raise ValueError(f"hf_zero run: {flag} needs a value")
+        name, parse = FLAGS[flag]
+        try:
+            value = parse(text)
+        except ValueError as error:
+            raise ValueError(f"hf_zero run: {flag} {text!r}: {error}") from None
+        if flag == "--zero_config":
+            config_file = value
+        else:
+            if name == "hpz_partition_size" and value != "auto":
+                value = int(value)
+            values[name] = value
+    return values, config_file, rest
+
+
+def activate(values: dict[str, Any] | None = None, config_file: str | None = None) -> None:
+    """Validate the settings, remember them and point ``transformers.Trainer`` at ZeroTrainer."""
+    from hf_zero.config import resolve_sources
+
+    global _active
+    resolve_sources(values or {}, config_file)  # bad settings fail before the script runs
+    _active = (dict(values or {}), config_file)
+    patch_trainer()
+
+
+def active_sources() -> tuple[dict[str, Any], str | None]:
+    """The flags and ``--zero_config`` file `activate` was given (empty when not active)."""
+    return _active if _active is not None else ({}, None)
+
+
+def patch_trainer() -> None:
+    """Make ``transformers.Trainer`` (both import paths) `ZeroTrainer`. Idempotent."""
+    import transformers.trainer as trainer_module
+
+    from hf_zero.integrations.trainer import ZeroTrainer
+
+    trainer_module.Trainer = ZeroTrainer
+    # transformers' lazy top-level module may have replaced itself in sys.modules while the
+    # imports above ran: patch the one `from transformers import Trainer` will read.
+    sys.modules["transformers"].Trainer = ZeroTrainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        print(
+            "usage: python -m hf_zero.run SCRIPT.py [script args] [hf_zero flags]", file=sys.stderr
+        )
+        return 2
+    script, *rest = argv
+    try:
+        values, config_file, script_args = split_flags(rest)
+        # Under `python -m hf_zero.run` this file runs as __main__, a second copy of the module:
+        # the state must live in the copy the Trainer imports.
+        from hf_zero import run as canonical
+
+        canonical.activate(values, config_file)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
