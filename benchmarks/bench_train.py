@@ -201,7 +201,11 @@ def make_hf_zero(args, stage: int, **cfg) -> Run:
     model = build(args)
     params = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
     engine = hf_zero.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=args.lr), stage=stage, **cfg
+        model,
+        torch.optim.AdamW(model.parameters(), lr=args.lr),
+        stage=stage,
+        reduce_bucket_size=args.reduce_bucket_size,
+        **cfg,
     )
     offload = cfg.get("offload_optimizer") == "cpu"
 
@@ -309,6 +313,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--reduce_bucket_size",
+        type=int,
+        default=6_250_000,
+        help="hf_zero bucket elements (default 25 MB of fp32, DDP's bucket_cap_mb)",
+    )
     parser.add_argument("--only", nargs="*", help="run systems whose name contains one of these")
     parser.add_argument("--out", default="benchmarks/results/train")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one system, under torchrun
@@ -344,17 +354,26 @@ def drive(args, parser) -> None:
                 result.unlink(missing_ok=True)
                 command = [
                     sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                    str(args.nproc), __file__, *passthrough, "--worker", name,
-                    "--result", str(result),
+                    str(args.nproc), "--master_port", str(_free_port()), __file__,
+                    *passthrough, "--worker", name, "--result", str(result),
                 ]  # fmt: skip
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode != 0 or not result.exists():
                     lines = [ln for ln in done.stderr.splitlines() if "Error" in ln]
-                    skipped[name] = (lines[-1] if lines else f"exit {done.returncode}")[:160]
+                    why = (lines[-1] if lines else f"exit {done.returncode}")[:160]
+                    skipped[name] = f"round {round_index + 1}: {why}"
                     continue
                 results[name].append(json.loads(result.read_text()))
                 print(f"round {round_index + 1}: {name} done", flush=True)
     report(args, args.nproc, table, results, skipped)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker(args) -> None:

@@ -176,6 +176,12 @@ class ZeroEngine:
     # --- construction ------------------------------------------------------------------------
     def _apply_tensor_parallel(self, optimizer: torch.optim.Optimizer) -> None:
         """Split the planned modules over the TP group (AutoTP) and re-point the optimizer."""
+        if any(getattr(p, "_hf_zero_slot", None) is not None for p in self.module.parameters()):
+            raise NotImplementedError(
+                "hf_zero AutoTP: a partitioned_init() model holds only data-parallel slices, "
+                "which tensor parallelism cannot split again; build the model normally (or load "
+                "it with from_pretrained) when tp_size > 1"
+            )
         plan = resolve_plan(self.module, self.config.tp_plan)
         if not plan:
             kind = getattr(getattr(self.module, "config", None), "model_type", None)

@@ -82,3 +82,30 @@ def test_bytes_are_booked_inter_node_when_the_group_spans_nodes():
         assert same_node[kind]["intra_node_bytes"] == same_node[kind]["bytes"] > 0
         assert two_nodes[kind]["intra_node_bytes"] == 0
         assert two_nodes[kind]["inter_node_bytes"] == same_node[kind]["bytes"]
+
+
+def _gloo_paths() -> dict:
+    from hf_zero.comm import Collectives
+    from hf_zero.topology import Topology
+
+    topo = Topology.build()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    full = torch.randn(world * 1000)
+    common = torch.randn(1000)  # the same all-gather input for both paths
+    out = {}
+    paths = {"emulated": Collectives(), "native": Collectives(emulate_on_gloo=False)}
+    for name, comm in paths.items():
+        shard = torch.empty(1000)
+        comm.reduce_scatter(shard, full.clone(), topo.dp, async_op=True).wait()
+        gathered = torch.empty(world * 1000)
+        comm.all_gather(gathered, common, topo.dp)
+        out[name] = (shard, gathered, comm.stats.as_dict())
+    (s1, g1, b1), (s2, g2, b2) = out["emulated"], out["native"]
+    return {"shard": (s1 - s2).abs().max().item(), "gather": torch.equal(g1, g2), "bytes": b1 == b2}
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gloo_reduce_scatter_and_all_gather_via_all_reduce_match_the_native_ones(world_size):
+    for r in run_distributed(_gloo_paths, world_size):
+        assert r["shard"] <= 1e-5 and r["gather"] and r["bytes"], r

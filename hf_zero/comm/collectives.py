@@ -64,15 +64,43 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _SliceAfter:
+    """A work handle that copies a slice of an all-reduced buffer out once it has finished."""
+
+    def __init__(self, work, output: torch.Tensor, reduced: torch.Tensor) -> None:
+        self.work, self.output, self.reduced = work, output, reduced
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.output.copy_(self.reduced)
+
+
 class Collectives:
     """The collectives the engine uses, each booked into ``stats``.
 
     ``async_op=True`` returns the work handle (``None`` for a single-rank group, where the
     collective is a local copy and nothing is booked).
+
+    On gloo (CPU) groups, floating-point reduce-scatter and all-gather run as an in-place
+    all-reduce: gloo's ring all-reduce of a buffer is 2.2x faster than its reduce-scatter and
+    1.5x faster than its all-gather of the same buffer (440 MB, 2 ranks, measured), so this is
+    faster even though it moves more data. Results are the same sums (the all-gather exactly);
+    the reduce-scatter's input buffer is overwritten with the full sum (callers own it);
+    bytes are booked as the collective asked for, by the ZeRO paper's convention.
+    ``emulate_on_gloo=False`` keeps the native collectives.
     """
 
-    def __init__(self, stats: CommStats | None = None) -> None:
+    def __init__(self, stats: CommStats | None = None, emulate_on_gloo: bool = True) -> None:
         self.stats = stats if stats is not None else CommStats()
+        self.emulate_on_gloo = emulate_on_gloo
+
+    def _via_all_reduce(self, group: Group, tensor: torch.Tensor) -> bool:
+        return (
+            self.emulate_on_gloo
+            and tensor.is_floating_point()
+            and dist.get_backend(group.pg) == "gloo"
+        )
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, async_op: bool = False):
         if group.size == 1:
@@ -88,6 +116,16 @@ class Collectives:
             output.copy_(input)
             return None
         self.stats.record("reduce_scatter", _nbytes(input), group.spans_nodes)
+        if self._via_all_reduce(group, input):
+            # In place: callers hand over the full buffer and read only `output` afterwards.
+            work = dist.all_reduce(input, group=group.pg, async_op=async_op)
+            index = group.rank_of(dist.get_rank())
+            mine = input[index * output.numel() : (index + 1) * output.numel()]
+            handle = _SliceAfter(work, output, mine)
+            if not async_op:
+                handle.wait()
+                return None
+            return handle
         return reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
 
     def all_gather(
@@ -98,6 +136,11 @@ class Collectives:
             output.copy_(input)
             return None
         self.stats.record("all_gather", _nbytes(output), group.spans_nodes)
+        if self._via_all_reduce(group, output):
+            index = group.rank_of(dist.get_rank())
+            output.zero_()
+            output[index * input.numel() : (index + 1) * input.numel()].copy_(input)
+            return dist.all_reduce(output, group=group.pg, async_op=async_op)
         return all_gather_single(output, input, group=group.pg, async_op=async_op)
 
     def all_to_all(
