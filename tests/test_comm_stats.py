@@ -94,7 +94,10 @@ def _gloo_paths() -> dict:
     full = torch.randn(world * 1000)
     common = torch.randn(1000)  # the same all-gather input for both paths
     out = {}
-    paths = {"emulated": Collectives(), "native": Collectives(emulate_on_gloo=False)}
+    paths = {
+        "emulated": Collectives(emulate_min_bytes=0),
+        "native": Collectives(emulate_on_gloo=False),
+    }
     for name, comm in paths.items():
         shard = torch.empty(1000)
         comm.reduce_scatter(shard, full.clone(), topo.dp, async_op=True).wait()

@@ -87,18 +87,27 @@ class Collectives:
     1.5x faster than its all-gather of the same buffer (440 MB, 2 ranks, measured), so this is
     faster even though it moves more data. Results are the same sums (the all-gather exactly);
     the reduce-scatter's input buffer is overwritten with the full sum (callers own it);
-    bytes are booked as the collective asked for, by the ZeRO paper's convention.
-    ``emulate_on_gloo=False`` keeps the native collectives.
+    bytes are booked as the collective asked for, by the ZeRO paper's convention. Only buffers
+    of at least ``emulate_min_bytes`` take this path: at 4 ranks and 1 MB gloo's own all-gather
+    is the faster one (0.004 s vs 0.006 s). ``emulate_on_gloo=False`` keeps the native
+    collectives everywhere.
     """
 
-    def __init__(self, stats: CommStats | None = None, emulate_on_gloo: bool = True) -> None:
+    def __init__(
+        self,
+        stats: CommStats | None = None,
+        emulate_on_gloo: bool = True,
+        emulate_min_bytes: int = 8 << 20,
+    ) -> None:
         self.stats = stats if stats is not None else CommStats()
         self.emulate_on_gloo = emulate_on_gloo
+        self.emulate_min_bytes = emulate_min_bytes
 
     def _via_all_reduce(self, group: Group, tensor: torch.Tensor) -> bool:
         return (
             self.emulate_on_gloo
             and tensor.is_floating_point()
+            and _nbytes(tensor) >= self.emulate_min_bytes
             and dist.get_backend(group.pg) == "gloo"
         )
 
