@@ -37,12 +37,16 @@ def _bool(text: str) -> bool:
     return _BOOL[text.lower()]
 
 
+def _int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 FLAGS: dict[str, tuple[str, Any]] = {
     "--zero_stage": ("stage", int),
     "--zero_config": ("", str),
     "--offload_optimizer": ("offload_optimizer", str),
     "--zero_quantized_weights": ("quantized_weights", _bool),
-    "--zero_hpz_partition_size": ("hpz_partition_size", str),
+    "--zero_hpz_partition_size": ("hpz_partition_size", _int_or_auto),
     "--zero_quantized_gradients": ("quantized_gradients", _bool),
     "--zero_quantized_nontrainable_weights": ("quantized_nontrainable_weights", _bool),
     "--tp_size": ("tp_size", int),
@@ -84,8 +88,6 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
         if flag == "--zero_config":
             config_file = value
         else:
-            if name == "hpz_partition_size" and value != "auto":
-                value = int(value)
             values[name] = value
     return values, config_file, rest
 
