@@ -73,6 +73,24 @@ class Topology:
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.node_size
 
+    def destroy(self) -> None:
+        """Shut down every group this topology created (collective; same order on all ranks).
+
+        Called before the default group is destroyed, so no gloo subgroup is left to be torn
+        down by the interpreter at exit, in an arbitrary order per rank.
+        """
+        seen = []
+        for group in (
+            self.dp, self.tp, self.intra_node, self.inter_node, self.dp_control,
+            self.dp_intra_node, self.dp_inter_node, self.hpz,
+        ):  # fmt: skip
+            pg = group.pg if group is not None else None
+            if pg is None or pg is dist.group.WORLD or any(pg is s for s in seen):
+                continue
+            seen.append(pg)
+        for pg in seen:
+            dist.destroy_process_group(pg)
+
     @classmethod
     def build(cls, tp_size: int = 1, node_size: int | None = None, hpz_size: int = 1) -> Topology:
         """Create every group. Collective: all ranks must call it with the same arguments.

@@ -220,6 +220,8 @@ class ZeroAccelerator(Accelerator):
         """Wait for every rank, then tear the process group down (as Accelerate does)."""
         if self.num_processes > 1:
             self.wait_for_everyone()  # no rank may leave while another still communicates
+        if self.engine is not None and torch.distributed.is_initialized():
+            self.engine.topology.destroy()
         super().end_training()
 
     # --- save_state / load_state -------------------------------------------------------------
