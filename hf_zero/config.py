@@ -323,6 +323,18 @@ class ZeroConfig:
 
 ENV_VAR = "HF_ZERO_CONFIG"
 
+CLI_FLAGS = {
+    "zero_stage": "stage",
+    "offload_optimizer": "offload_optimizer",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
+    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
+    "tp_size": "tp_size",
+}
+"""Command-line flag (without ``--``) -> ZeroConfig field: the Trainer arguments and
+``hf_zero.run`` share it; ``--zero_config FILE`` comes on top."""
+
 
 def explicit_values(source: Mapping | str | Path | None) -> dict[str, Any]:
     """The fields a file or dict sets explicitly (validated key by key), hf_zero or DeepSpeed."""

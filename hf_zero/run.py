@@ -27,6 +27,8 @@ import runpy
 import sys
 from typing import Any
 
+from hf_zero.config import CLI_FLAGS
+
 # --flag -> (ZeroConfig field, parser for its value)
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -41,15 +43,19 @@ def _int_or_auto(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
+PARSERS = {
+    "stage": int,
+    "offload_optimizer": str,
+    "quantized_weights": _bool,
+    "hpz_partition_size": _int_or_auto,
+    "quantized_gradients": _bool,
+    "quantized_nontrainable_weights": _bool,
+    "tp_size": int,
+}
+"""How each field's command-line text is read."""
 FLAGS: dict[str, tuple[str, Any]] = {
-    "--zero_stage": ("stage", int),
+    **{f"--{flag}": (field, PARSERS[field]) for flag, field in CLI_FLAGS.items()},
     "--zero_config": ("", str),
-    "--offload_optimizer": ("offload_optimizer", str),
-    "--zero_quantized_weights": ("quantized_weights", _bool),
-    "--zero_hpz_partition_size": ("hpz_partition_size", _int_or_auto),
-    "--zero_quantized_gradients": ("quantized_gradients", _bool),
-    "--zero_quantized_nontrainable_weights": ("quantized_nontrainable_weights", _bool),
-    "--tp_size": ("tp_size", int),
 }
 BOOLEAN_FLAGS = {f for f, (_, kind) in FLAGS.items() if kind is _bool}
 

@@ -19,21 +19,12 @@ import transformers.trainer as trainer_module
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from hf_zero.config import AUTO, ENV_VAR, ZeroConfig, explicit_values, resolve_sources
+from hf_zero.config import AUTO, CLI_FLAGS, ENV_VAR, ZeroConfig, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 
 ZERO_DIR = "zero"  # the engine's sharded checkpoint inside a Trainer checkpoint directory
 
-# --flag -> ZeroConfig field
-FLAGS = {
-    "zero_stage": "stage",
-    "offload_optimizer": "offload_optimizer",
-    "zero_quantized_weights": "quantized_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
-    "tp_size": "tp_size",
-}
+FLAGS = CLI_FLAGS  # --flag -> ZeroConfig field
 
 
 @dataclass
