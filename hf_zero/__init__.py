@@ -3,6 +3,7 @@
 from hf_zero.config import ZeroConfig
 from hf_zero.engine import ZeroEngine, gathered_parameters, initialize
 from hf_zero.partitioned_init import load_partitioned, partitioned_init
+from hf_zero.stage3_units import num_parameters
 from hf_zero.topology import Topology, current_device, init_distributed
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ _LAZY = {
     "ZeroTrainingArguments": "hf_zero.integrations.trainer",
     "merged_state_dict": "hf_zero.integrations.peft",
     "save_merged": "hf_zero.integrations.peft",
+    "load_for_inference": "hf_zero.integrations.reload",
 }
 
 
@@ -41,8 +43,10 @@ __all__ = [
     "gathered_parameters",
     "init_distributed",
     "initialize",
+    "load_for_inference",
     "load_partitioned",
     "merged_state_dict",
+    "num_parameters",
     "partitioned_init",
     "save_merged",
 ]

@@ -1,10 +1,14 @@
 """``HF_ZERO_CONFIG`` without a launcher change: the target of the ``hf_zero_autoload.pth`` hook.
 
-``hf-zero autoload on`` writes a one-line ``.pth`` file (``import hf_zero._autoload``) into the
-environment's site-packages, which Python runs at every start-up. This module then costs an
-environment lookup; only when ``HF_ZERO_CONFIG`` is set does it add an import hook that, right
-after ``transformers`` is imported, calls `hf_zero.run.activate` (``transformers.Trainer`` becomes
-`ZeroTrainer`, configured from that file). ``HF_ZERO_AUTOLOAD=0`` turns it off for one command.
+``hf-zero autoload on`` writes a one-line ``.pth`` file into the environment's site-packages,
+which Python runs at every start-up. The line itself reads one environment variable: with
+``HF_ZERO_CONFIG`` unset it imports nothing, and once hf_zero is uninstalled (pip leaves the
+file behind, as it did not install it) it finds no ``hf_zero`` and does nothing. Only when
+``HF_ZERO_CONFIG`` is set and hf_zero is importable does it import this module, which adds an
+import hook that, right after ``transformers`` is imported, calls `hf_zero.run.activate`
+(``transformers.Trainer`` becomes `ZeroTrainer` and ``accelerate.Accelerator`` becomes
+`ZeroAccelerator`, configured from that file). ``HF_ZERO_AUTOLOAD=0`` turns it off for one
+command.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ import os
 import sys
 
 PTH_NAME = "hf_zero_autoload.pth"
-PTH_LINE = "import hf_zero._autoload\n"
+PTH_LINE = (
+    "import os; os.environ.get('HF_ZERO_CONFIG') and "
+    "__import__('importlib.util').util.find_spec('hf_zero') and "
+    "__import__('hf_zero._autoload')\n"
+)
+"""Python runs ``.pth`` lines that start with ``import``; this one stops at the first falsy
+step, so an unset variable or an uninstalled hf_zero costs nothing and prints nothing."""
 
 
 class _AfterTransformers:
@@ -32,9 +42,13 @@ class _AfterTransformers:
 
         def exec_module(module):
             load(module)
+            from hf_zero.launch_errors import exit_with
             from hf_zero.run import activate
 
-            activate()
+            try:
+                activate()
+            except (ValueError, NotImplementedError) as error:
+                exit_with(f"{error} (from HF_ZERO_CONFIG={os.environ.get('HF_ZERO_CONFIG')})")
 
         spec.loader.exec_module = exec_module
         return spec

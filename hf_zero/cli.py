@@ -26,7 +26,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         overrides[key] = yaml.safe_load(value)
     try:
         config = ZeroConfig.load(args.path, **overrides)
-    except ValueError as error:
+    except (ValueError, NotImplementedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
@@ -105,7 +105,14 @@ def _model_shape(args: argparse.Namespace):
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from hf_zero.memory import PAPER_FORMULA, activation_bytes, estimate, working_set_bytes
+    from hf_zero.memory import (
+        PAPER_FORMULA,
+        WHY_NOT_PAPER,
+        activation_bytes,
+        estimate,
+        formula,
+        working_set_bytes,
+    )
 
     given = [a for a in (args.params, args.model_config, args.model) if a is not None]
     if len(given) != 1:
@@ -128,7 +135,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     )
     print(
         f"{'stage':>5} {'offload':>8} {'device GiB':>11} {'host GiB':>9} {'+ working set':>14} "
-        f"{'ZeRO paper':>11}"
+        f"{'hf_zero':>12} {'ZeRO paper':>11}"
     )
     for stage in (0, 1, 2, 3):
         for offload in (False, True):
@@ -141,7 +148,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             work = working_set_bytes(shape, stage, args.precision, args.tp)
             print(
                 f"{stage:>5} {offload!s:>8} {m['total'] / gib:>11.2f} "
-                f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} {PAPER_FORMULA[stage]:>11}"
+                f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} "
+                f"{formula(stage, args.precision, offload):>12} {PAPER_FORMULA[stage]:>11}"
             )
     if shape.hidden:
         for ckpt in (False, True):
@@ -154,9 +162,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                 f"{args.micro_batch}): {act / gib:.2f} GiB"
             )
     print(
-        "model states: parameters, gradients, fp32 master weights, Adam (hf_zero keeps fp32 "
-        "gradient shards: stage 2 is 2P + 16P/N); working set: stage 3's gathered layers"
+        "GiB = 2^30 bytes (1 GiB = 1.074 GB). Model states: parameters, gradients, fp32 master "
+        "weights, Adam, on the device (hf_zero column: P parameters, N data-parallel ranks); "
+        "working set: stage 3's gathered layers."
     )
+    print(WHY_NOT_PAPER)
     return 0
 
 
@@ -226,10 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "consolidate", help="sharded engine checkpoint -> Hugging Face safetensors (streamed)"
     )
-    p.add_argument("checkpoint", help="a directory written by engine.save_checkpoint")
+    p.add_argument(
+        "checkpoint", help="engine.save_checkpoint's directory, or a Trainer checkpoint-N"
+    )
     p.add_argument("output", help="directory for model.safetensors (or adapter_model.safetensors)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--adapter-only", action="store_true", help="LoRA weights, PEFT key names")
+    p.add_argument(
+        "--adapter-only", action="store_true", help="PEFT checkpoints: the adapter, PEFT format"
+    )
     p.add_argument("--max-shard-size-gb", type=float, default=5.0)
     p.set_defaults(func=_cmd_consolidate)
     p = sub.add_parser("estimate", help="per-rank memory of each ZeRO stage")

@@ -3,23 +3,21 @@
 Sources, all through :meth:`ZeroConfig.load`:
 
 * an hf_zero YAML/JSON file or dict (flat keys named as the fields below),
-* an existing DeepSpeed config (``zero_optimization.*``, ``fp16``/``bf16``, ``gradient_clipping``,
-  batch keys, ``tensor_parallel.autotp_size``, ``"auto"`` values),
+* an existing DeepSpeed config (read by `hf_zero.deepspeed_config`, where every DeepSpeed key
+  has a stated fate: honoured, inherent, no effect, or refused),
 * keyword overrides (what CLI flags map to).
 
-Unknown keys raise a ``ValueError`` that names the key and the nearest valid one. DeepSpeed keys
-that hf_zero does not implement are reported once in a warning, by name.
+Unknown keys raise a ``ValueError`` that names the key and the nearest valid one; so does a
+file that does not parse (with its line). Every field below has an effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import json
 import math
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,7 +36,6 @@ COMM_DTYPES = (None, "fp32", "bf16", "fp16")
 # What "auto" becomes when neither the model nor the training arguments say (DeepSpeed defaults).
 AUTO_FALLBACKS = {
     "reduce_bucket_size": 50_000_000,
-    "allgather_bucket_size": 50_000_000,
     "prefetch_bucket_size": 50_000_000,
     "param_persistence_threshold": 100_000,
     "gradient_accumulation_steps": 1,
@@ -71,6 +68,8 @@ class ZeroConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    """Restore the hysteresis after every good step, so only overflows in a row lower the scale."""
     min_loss_scale: float = 1.0
 
     # --- optimisation ------------------------------------------------------------------------
@@ -84,12 +83,12 @@ class ZeroConfig:
     optimizer: dict | None = None
     """DeepSpeed-style ``{"type": "AdamW", "params": {...}}``, used when no optimizer is passed."""
     scheduler: dict | None = None
-    """DeepSpeed-style scheduler section, kept for the integrations."""
+    """DeepSpeed-style ``{"type": "WarmupLR", "params": {...}}``: the learning-rate schedule the
+    Trainer and `ZeroAccelerator` build (see docs/CONFIG.md)."""
 
     # --- buckets and overlap -----------------------------------------------------------------
     reduce_bucket_size: int | str = 50_000_000
     """Elements per flat gradient bucket (stages 0-2 also shard the optimizer per bucket)."""
-    allgather_bucket_size: int | str = 50_000_000
     overlap_comm: bool = True
     """Launch each bucket's reduction as soon as its gradients are ready during backward."""
 
@@ -103,7 +102,6 @@ class ZeroConfig:
     param_persistence_threshold: int | str = AUTO
     """Stage 3: parameters with fewer elements stay whole on every rank ("auto": 10 h)."""
     max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
     check_execution_order: bool = True
     """Stage 3: check at every module entry that all ranks run the same module (one tiny
     all-gather each), so rank-dependent control flow raises instead of deadlocking."""
@@ -155,7 +153,7 @@ class ZeroConfig:
             values = {}
         else:
             raw = _read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
-            values = from_deepspeed(raw) if is_deepspeed_config(raw) else _check_keys(raw)
+            values = _values_of(raw)
         for key, value in overrides.items():
             if value is not None:
                 _check_keys({key: value})
@@ -191,7 +189,6 @@ class ZeroConfig:
         h2 = hidden_size * hidden_size if hidden_size else None
         derived = {
             "reduce_bucket_size": h2,
-            "allgather_bucket_size": h2,
             "prefetch_bucket_size": int(0.9 * h2) if h2 else None,
             "param_persistence_threshold": 10 * hidden_size if hidden_size else None,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -225,6 +222,24 @@ class ZeroConfig:
                 f" x data-parallel world size ({world_size}) = {mb * gas * world_size}"
             )
 
+    def check_world(self, world_size: int) -> None:
+        """Raise what `initialize` would refuse for ``world_size`` processes, before any model
+        exists: ``tp_size`` and ``hpz_partition_size`` must divide the ranks they split, and
+        the batch sizes must agree."""
+        if world_size % self.tp_size:
+            raise ValueError(
+                f"zero config: 'tp_size' = {self.tp_size} must divide the number of processes "
+                f"({world_size})"
+            )
+        dp_size = world_size // self.tp_size
+        hpz = self.hpz_partition_size
+        if hpz != AUTO and dp_size % hpz:
+            raise ValueError(
+                f"zero config: 'hpz_partition_size' = {hpz} must divide the data-parallel size "
+                f"({dp_size} = {world_size} processes / tp_size {self.tp_size})"
+            )
+        self.check_batch_sizes(dp_size)
+
     @property
     def hpz_enabled(self) -> bool:
         return self.hpz_partition_size == AUTO or self.hpz_partition_size > 1
@@ -247,7 +262,6 @@ class ZeroConfig:
         int_or_auto = {
             "gradient_accumulation_steps": 1,
             "reduce_bucket_size": 1,
-            "allgather_bucket_size": 1,
             "train_micro_batch_size_per_gpu": 1,
             "train_batch_size": 1,
             "prefetch_bucket_size": 0,
@@ -260,12 +274,14 @@ class ZeroConfig:
                 "train_batch_size",
             ):
                 setattr(self, name, _int_or_auto(name, value, minimum))
-        for name in ("max_live_parameters", "max_reuse_distance"):
-            value = getattr(self, name)
-            if isinstance(value, float) and value.is_integer():
-                setattr(self, name, int(value))  # DeepSpeed files write 1e9
+        if isinstance(self.max_live_parameters, float) and self.max_live_parameters.is_integer():
+            self.max_live_parameters = int(self.max_live_parameters)  # DeepSpeed files write 1e9
         _at_least("max_live_parameters", self.max_live_parameters, 1)
-        _at_least("max_reuse_distance", self.max_reuse_distance, 0)
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError(
+                f"zero config: 'consecutive_hysteresis' = {self.consecutive_hysteresis!r} must be "
+                "true or false"
+            )
         if self.hpz_partition_size != AUTO:
             self.hpz_partition_size = _int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
         _one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
@@ -310,6 +326,13 @@ class ZeroConfig:
                 "zero config: 'offload_optimizer' = 'cpu' needs 'stage' 1, 2 or 3 "
                 "(stage 0 keeps no sharded optimizer to offload)"
             )
+        if self.offload_param != "none":
+            # Refused here, while arguments are parsed, not after the model is built.
+            raise NotImplementedError(
+                f"hf_zero: 'offload_param' = {self.offload_param!r} asks for parameter offload "
+                "(ZeRO-Infinity), which this version does not implement yet (see "
+                "docs/STATUS.md); use 'offload_optimizer' with the ZeRO stages"
+            )
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
@@ -341,7 +364,16 @@ def explicit_values(source: Mapping | str | Path | None) -> dict[str, Any]:
     if source is None:
         return {}
     raw = _read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
-    return from_deepspeed(raw) if is_deepspeed_config(raw) else _check_keys(raw)
+    return _values_of(raw)
+
+
+def _values_of(raw: Mapping) -> dict[str, Any]:
+    """Field values from an hf_zero mapping, or from a DeepSpeed one."""
+    from hf_zero.deepspeed_config import from_deepspeed, is_deepspeed_config
+
+    if is_deepspeed_config(raw, set(ZeroConfig.__dataclass_fields__)):
+        return from_deepspeed(raw)
+    return _check_keys(raw)
 
 
 def resolve_sources(
@@ -383,303 +415,28 @@ def resolve_sources(
 
 
 # ----------------------------------------------------------------------------------------------
-# DeepSpeed format
-# ----------------------------------------------------------------------------------------------
-
-# Top-level keys that only a DeepSpeed config has: their presence selects the DeepSpeed reader.
-_DS_MARKERS = {
-    "zero_optimization",
-    "fp16",
-    "bf16",
-    "amp",
-    "tensor_parallel",
-    "zero_allow_untested_optimizer",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "data_types",
-    "scheduler",
-}
-
-# zero_optimization.<key> -> ZeroConfig field
-_DS_ZERO_MAP = {
-    "stage": "stage",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "allgather_bucket_size": "allgather_bucket_size",
-    "overlap_comm": "overlap_comm",
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-    "zero_quantized_weights": "quantized_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
-}
-# zero_optimization keys that hf_zero's design always satisfies (no setting needed).
-_DS_ZERO_ALWAYS = {
-    "contiguous_gradients",  # gradients always live in flat buckets
-    "reduce_scatter",  # stages 1-2 always reduce-scatter
-    "allgather_partitions",  # always all-gather the updated shards
-    "round_robin_gradients",
-    "stage3_gather_16bit_weights_on_model_save",  # full_state_dict() always gathers
-    "gather_16bit_weights_on_model_save",
-    "sub_group_size",  # each bucket is its own optimizer sub-group
-    "load_from_fp32_weights",
-    "elastic_checkpoint",
-    "ignore_unused_parameters",  # unused parameters contribute zero gradients
-}
-# zero_optimization keys DeepSpeed has and hf_zero does not implement: warn by name.
-_DS_ZERO_UNSUPPORTED = {
-    "cpu_offload",
-    "cpu_offload_params",
-    "cpu_offload_use_pin_memory",
-    "legacy_stage1",
-    "memory_efficient_linear",
-    "mics_shard_size",
-    "mics_hierarchical_params_gather",
-    "zeropp_loco_param",
-    "use_multi_rank_bucket_allreduce",
-    "stage3_module_granularity_threshold",
-    "log_trace_cache_warnings",
-    "pipeline_loading_checkpoint",
-    "override_module_apply",
-}
-_DS_TOP_UNSUPPORTED = {
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "dump_state",
-    "flops_profiler",
-    "activation_checkpointing",
-    "aio",
-    "comms_logger",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comet",
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "sparse_gradients",
-    "amp",
-    "autotuning",
-    "elasticity",
-    "curriculum_learning",
-    "data_efficiency",
-    "compression_training",
-    "checkpoint",
-    "pipeline",
-    "memory_breakdown",
-    "zero_force_ds_cpu_optimizer",
-    "seq_parallel_communication_data_type",
-    "disable_allgather",
-    "dataloader_drop_last",
-}
-_DS_TOP_KNOWN = {
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "zero_optimization",
-    "fp16",
-    "bf16",
-    "optimizer",
-    "scheduler",
-    "tensor_parallel",
-    "zero_allow_untested_optimizer",
-    "communication_data_type",
-    "data_types",
-} | _DS_TOP_UNSUPPORTED
-_DS_FP16_MAP = {
-    "loss_scale": "loss_scale",
-    "initial_scale_power": "initial_scale_power",
-    "loss_scale_window": "loss_scale_window",
-    "hysteresis": "hysteresis",
-    "min_loss_scale": "min_loss_scale",
-}
-_DS_FP16_IGNORED = {
-    "enabled",
-    "auto_cast",
-    "consecutive_hysteresis",
-    "fp16_master_weights_and_grads",
-}
-_DS_OFFLOAD_IGNORED = {"device", "pin_memory", "buffer_count", "fast_init", "ratio", "nvme_path"}
-_DS_DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
-
-
-def is_deepspeed_config(raw: Mapping) -> bool:
-    """True when ``raw`` looks like a DeepSpeed config rather than an hf_zero one."""
-    if any(key in _DS_MARKERS for key in raw):
-        return True
-    ds_only_batch = {"train_batch_size", "train_micro_batch_size_per_gpu"}
-    ours = set(ZeroConfig.__dataclass_fields__)
-    return bool(ds_only_batch & set(raw)) and not (set(raw) - ds_only_batch) & (
-        ours - _DS_TOP_KNOWN
-    )
-
-
-def from_deepspeed(raw: Mapping) -> dict[str, Any]:
-    """Translate a DeepSpeed config dict into ZeroConfig field values.
-
-    Warns once, by name, about DeepSpeed keys that hf_zero accepts but does not implement.
-    """
-    values: dict[str, Any] = {}
-    ignored: list[str] = []
-    _check_section("", raw, _DS_TOP_KNOWN)
-    ignored += sorted(k for k in raw if k in _DS_TOP_UNSUPPORTED)
-
-    for key in (
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "gradient_clipping",
-    ):
-        if key in raw:
-            values[key] = raw[key]
-    if "zero_allow_untested_optimizer" in raw:
-        values["allow_untested_optimizer"] = bool(raw["zero_allow_untested_optimizer"])
-    for key in ("optimizer", "scheduler"):
-        if raw.get(key) is not None:
-            values[key] = dict(raw[key])
-
-    fp16 = _section(raw, "fp16")
-    bf16 = _section(raw, "bf16")
-    fp16_on, bf16_on = _enabled(fp16, "fp16"), _enabled(bf16, "bf16")
-    if fp16_on is True and bf16_on is True:
-        raise ValueError(
-            "deepspeed config: 'fp16.enabled' and 'bf16.enabled' are both true; enable at most one"
-        )
-    if fp16_on is True or bf16_on is True:
-        values["precision"] = "fp16" if fp16_on is True else "bf16"
-    elif AUTO in (fp16_on, bf16_on):
-        values["precision"] = AUTO  # the Trainer's --fp16/--bf16 decide
-    elif "fp16" in raw or "bf16" in raw:
-        values["precision"] = "fp32"  # both sections present and disabled
-    _check_section("fp16", fp16, set(_DS_FP16_MAP) | _DS_FP16_IGNORED)
-    _check_section("bf16", bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"})
-    for ds_key, field in _DS_FP16_MAP.items():
-        if ds_key in fp16:
-            values[field] = fp16[ds_key]
-
-    comm = raw.get("communication_data_type")
-    if comm is not None:
-        values["communication_data_type"] = _ds_dtype("communication_data_type", comm)
-    data_types = _section(raw, "data_types")
-    _check_section("data_types", data_types, {"grad_accum_dtype"})
-    if data_types.get("grad_accum_dtype") not in (None, "fp32"):
-        ignored.append("data_types.grad_accum_dtype (hf_zero accumulates gradients in fp32)")
-
-    zero = _section(raw, "zero_optimization")
-    known_zero = (
-        set(_DS_ZERO_MAP)
-        | _DS_ZERO_ALWAYS
-        | _DS_ZERO_UNSUPPORTED
-        | {"offload_optimizer", "offload_param"}
-    )
-    _check_section("zero_optimization", zero, known_zero)
-    for ds_key, field in _DS_ZERO_MAP.items():
-        if ds_key in zero:
-            values[field] = zero[ds_key]
-    ignored += [f"zero_optimization.{k}" for k in sorted(zero) if k in _DS_ZERO_UNSUPPORTED]
-    for which in ("offload_optimizer", "offload_param"):
-        section = _section(zero, which)
-        _check_section(f"zero_optimization.{which}", section, _DS_OFFLOAD_IGNORED)
-        device = section.get("device", "none")
-        if device == "nvme":
-            raise ValueError(
-                f"deepspeed config: 'zero_optimization.{which}.device' = 'nvme' is not supported; "
-                "allowed: 'none', 'cpu'"
-            )
-        values[which] = device
-        if device == "cpu" and set(section) - {"device", "pin_memory"}:
-            ignored.append(f"zero_optimization.{which} tuning keys")
-
-    tp = _section(raw, "tensor_parallel")
-    _check_section("tensor_parallel", tp, {"autotp_size", "tp_size", "partition_config"})
-    size = tp.get("autotp_size", tp.get("tp_size"))
-    if size is not None:
-        values["tp_size"] = size
-    if "partition_config" in tp:
-        values["tp_plan"] = _ds_partition_config(tp["partition_config"])
-
-    if ignored:
-        warnings.warn(
-            "hf_zero: these DeepSpeed settings are accepted but not implemented and have no "
-            "effect: " + ", ".join(ignored),
-            stacklevel=3,
-        )
-    return values
-
-
-_DS_PARTITION_TYPES = {"column": "colwise", "row": "rowwise", "skip": None}
-
-
-def _ds_partition_config(section: Mapping) -> dict[str, str]:
-    """DeepSpeed AutoTP ``layer_specs`` (parameter regexes, row/column) -> hf_zero ``tp_plan``."""
-    _check_section(
-        "tensor_parallel.partition_config", section, {"use_default_specs", "layer_specs"}
-    )
-    plan = {}
-    for spec in section.get("layer_specs", []):
-        kind = spec.get("partition_type")
-        if kind not in _DS_PARTITION_TYPES:
-            raise ValueError(
-                f"deepspeed config: 'partition_type' = {kind!r} is not supported; allowed: "
-                + ", ".join(repr(k) for k in _DS_PARTITION_TYPES)
-            )
-        for pattern in spec.get("patterns", []):
-            # DeepSpeed matches parameter names (``...o_proj.weight``); hf_zero matches modules.
-            module_pattern = re.sub(r"(\\?\.weight)?\$?$", "", pattern)
-            if _DS_PARTITION_TYPES[kind]:
-                plan[module_pattern] = _DS_PARTITION_TYPES[kind]
-    return plan
-
-
-def _section(raw: Mapping, key: str) -> Mapping:
-    value = raw.get(key) or {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"deepspeed config: '{key}' = {value!r} must be a mapping")
-    return value
-
-
-def _enabled(section: Mapping, name: str) -> bool | str:
-    value = section.get("enabled", False)
-    if value == AUTO:
-        return AUTO
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"deepspeed config: '{name}.enabled' = {value!r}; allowed: true, false, 'auto'"
-        )
-    return value
-
-
-def _ds_dtype(key: str, value: str) -> str:
-    if value not in _DS_DTYPE_NAMES:
-        raise ValueError(
-            f"deepspeed config: '{key}' = {value!r}; allowed: {', '.join(sorted(_DS_DTYPE_NAMES))}"
-        )
-    return _DS_DTYPE_NAMES[value]
-
-
-def _check_section(prefix: str, section: Mapping, allowed: set[str]) -> None:
-    for key in section:
-        if key not in allowed:
-            where = f"{prefix}.{key}" if prefix else key
-            raise ValueError(
-                f"deepspeed config: unknown key '{where}'{_suggest(key, allowed)}. "
-                f"Allowed here: {', '.join(sorted(allowed))}"
-            )
-
-
-# ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
 
 
 def _read_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML or JSON file holds; a ``ValueError`` names the file (and the line of a
+    syntax error) when it is missing, unreadable or not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"zero config: file '{path}' does not exist")
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"zero config: {path}:{error.lineno}:{error.colno}: not valid JSON ({error.msg})"
+        ) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"zero config: {where}: not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -696,8 +453,9 @@ def _check_keys(values: Mapping) -> dict[str, Any]:
 
 
 def _suggest(key: str, options: set[str]) -> str:
-    close = difflib.get_close_matches(str(key), sorted(options), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    from hf_zero.deepspeed_config import suggest
+
+    return suggest(key, options)
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:

@@ -9,21 +9,57 @@ whatever the model size. Outputs above ``max_shard_bytes`` are split into severa
 
 The checkpoint holds the *trainable* parameters (fp32 master weights). For a full fine-tune that
 is the whole model; for a LoRA run ``--adapter-only`` writes ``adapter_model.safetensors`` with
-PEFT's key names (frozen base weights come from the base model).
+PEFT's key names (frozen base weights come from the base model). A PEFT checkpoint is refused as
+a full model: its names (``base_model.model...``, ``lora_A``, ``base_layer``) are not a model's.
+
+The input is an engine checkpoint directory or a Trainer ``checkpoint-N`` directory (its engine
+checkpoint is the ``zero/`` subdirectory). From a Trainer checkpoint the files that make the
+output loadable are copied too: ``config.json`` (``from_pretrained``) or ``adapter_config.json``
+and ``hf_zero_training.json`` (``PeftModel.from_pretrained``, ``hf_zero.load_for_inference``),
+plus the tokenizer; a full model's frozen parameters, which the engine checkpoint does not hold,
+are taken from the model the Trainer saved in the same directory.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
+import warnings
 from pathlib import Path
 
 import torch
 
-from hf_zero.checkpoint import CODE_DTYPES, ShardReader, read_meta
+from hf_zero.checkpoint import CODE_DTYPES, META, ShardReader, read_meta
 
 _DTYPE_CODES = {dtype: code for code, dtype in CODE_DTYPES.items()}
+TRAINER_ZERO_DIR = "zero"  # = hf_zero.integrations.trainer.ZERO_DIR (not imported: slow)
+PEFT_MARKERS = ("base_model.model.", ".lora_", ".base_layer.", "modules_to_save")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+MODEL_FILES = ("config.json", "generation_config.json")
+ADAPTER_FILES = ("adapter_config.json", "hf_zero_training.json")
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
+    """``(engine checkpoint, directory of the saved model or None)`` for an engine checkpoint,
+    a Trainer ``checkpoint-N`` directory, or the ``zero/`` inside one."""
+    path = Path(path)
+    if not (path / META).is_file() and (path / TRAINER_ZERO_DIR / META).is_file():
+        return path / TRAINER_ZERO_DIR, path
+    if path.name == TRAINER_ZERO_DIR and any(
+        (path.parent / f).is_file() for f in (*MODEL_FILES, *ADAPTER_FILES)
+    ):
+        return path, path.parent
+    return path, None
 
 
 class StreamingSafetensorsWriter:
@@ -64,8 +100,10 @@ def consolidate(
     adapter_only: bool = False,
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[Path]:
-    """Write the checkpoint's parameters as Hugging Face safetensors; returns the files."""
-    checkpoint, output = Path(checkpoint), Path(output)
+    """Write the checkpoint's parameters as Hugging Face safetensors; returns the files written
+    (with the config and tokenizer files copied from a Trainer checkpoint)."""
+    checkpoint, saved_dir = resolve_checkpoint(checkpoint)
+    output = Path(output)
     reader = ShardReader(checkpoint, read_meta(checkpoint))
     meta = reader.meta
     if meta.get("tp_size", 1) > 1:
@@ -80,12 +118,27 @@ def consolidate(
         params = [s for s in params if ".lora_" in s["name"]]
         if not params:
             raise ValueError(f"hf_zero: --adapter-only: no LoRA parameters in {checkpoint}")
+    else:
+        peft = [s["name"] for s in params if any(m in s["name"] for m in PEFT_MARKERS)]
+        if peft:
+            raise ValueError(
+                f"hf_zero consolidate: '{checkpoint}' holds a PEFT model's parameters (e.g. "
+                f"'{peft[0]}'); as a full model they would keep PEFT's internal names, which "
+                "from_pretrained does not load. Use --adapter-only (adapter_model.safetensors "
+                "for PeftModel.from_pretrained), or merge the adapter into the base "
+                "(hf_zero.save_merged during the run, or merge_and_unload() after loading it)"
+            )
     entries = [(_output_name(s["name"], adapter_only), dtype, tuple(s["shape"])) for s in params]
+    extra = {} if adapter_only or saved_dir is None else _frozen_from_saved(saved_dir, params)
+    entries += [(name, dtype, shape) for name, (_, shape) in extra.items()]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     files: list[list[int]] = [[]]
     size = 0
-    for i, s in enumerate(params):
-        nbytes = s["numel"] * itemsize
+    numels = [s["numel"] for s in params] + [
+        torch.Size(shape).numel() for _, shape in extra.values()
+    ]
+    for i, numel in enumerate(numels):
+        nbytes = numel * itemsize
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
             size = 0
@@ -103,10 +156,13 @@ def consolidate(
     for file_name, indices in zip(names, files):
         writer = StreamingSafetensorsWriter(output / file_name, [entries[i] for i in indices])
         for i in indices:
-            slot = params[i]
-            values = reader.read(slot["name"], "master", 0, slot["numel"])
-            values = values.to(dtype).view(tuple(slot["shape"]))
-            writer.write(entries[i][0], values)
+            if i < len(params):
+                slot = params[i]
+                values = reader.read(slot["name"], "master", 0, slot["numel"])
+                values = values.view(tuple(slot["shape"]))
+            else:
+                values = _read_saved(saved_dir, extra[entries[i][0]][0], entries[i][0])
+            writer.write(entries[i][0], values.to(dtype))
             weight_map[entries[i][0]] = file_name
             del values
         writer.close()
@@ -117,7 +173,52 @@ def consolidate(
             "weight_map": weight_map,
         }
         (output / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    return written
+    return written + _copy_configs(saved_dir, output, adapter_only)
+
+
+def _frozen_from_saved(saved_dir: Path, params: list[dict]) -> dict[str, tuple[str, tuple]]:
+    """Tensors of the model the Trainer saved in ``saved_dir`` that the engine checkpoint lacks
+    (frozen parameters): name -> (file, shape). Tied weights are not saved twice, so none."""
+    from safetensors import safe_open
+
+    index = saved_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"] if (saved_dir / "model.safetensors").is_file() else []
+    have = {s["name"] for s in params}
+    extra = {}
+    for file_name in files:
+        with safe_open(saved_dir / file_name, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name not in have:
+                    extra[name] = (file_name, tuple(f.get_slice(name).get_shape()))
+    return extra
+
+
+def _read_saved(saved_dir: Path, file_name: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(saved_dir / file_name, "pt") as f:
+        return f.get_tensor(name)
+
+
+def _copy_configs(saved_dir: Path | None, output: Path, adapter_only: bool) -> list[Path]:
+    """Copy what makes ``output`` loadable from the Trainer checkpoint; warn when missing."""
+    needed = ADAPTER_FILES[0] if adapter_only else MODEL_FILES[0]
+    copied = []
+    if saved_dir is not None:
+        for name in (*(ADAPTER_FILES if adapter_only else MODEL_FILES), *TOKENIZER_FILES):
+            if (saved_dir / name).is_file():
+                shutil.copyfile(saved_dir / name, output / name)
+                copied.append(output / name)
+    if not (output / needed).is_file():
+        warnings.warn(
+            f"hf_zero consolidate: no {needed} next to the checkpoint (pass the Trainer's "
+            f"checkpoint-N directory, or copy the model's {needed} into {output})",
+            stacklevel=3,
+        )
+    return copied
 
 
 def _output_name(name: str, adapter_only: bool) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,11 +23,13 @@ from hf_zero.comm import Collectives, CommStats, ZeroPPSettings
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
+from hf_zero.optim.deepspeed_schedules import scheduler_from_config
 from hf_zero.partition import bucket_params
 from hf_zero.partitioned_init import unshard
 from hf_zero.precision import DTYPES, LossScaler, dtype_of
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Unit, Zero3Coordinator, assign_params_to_units, find_units, gathered
+from hf_zero.stage3_state_dict import StateDictHooks, mark_whole_shapes
 from hf_zero.topology import Group, Topology, current_device, init_distributed
 from hf_zero.tp import PRESETS, TensorParallel, gather_full, resolve_plan
 
@@ -48,7 +51,8 @@ def initialize(
             of them). ``None`` builds one from the config's DeepSpeed-style ``optimizer`` section.
         config: a `ZeroConfig`, a dict, or a path to an hf_zero YAML/JSON or DeepSpeed JSON.
         lr_scheduler: optional scheduler on ``optimizer``, stepped after each real optimizer step
-            (skipped fp16 steps do not advance it).
+            (skipped fp16 steps do not advance it). ``None`` builds one from the config's
+            DeepSpeed ``scheduler`` section, if any (as DeepSpeed does): ``engine.lr_scheduler``.
         overrides: config fields that win over ``config`` (e.g. ``stage=2``).
 
     Example::
@@ -63,7 +67,10 @@ def initialize(
 
 
 class ZeroEngine:
-    """ZeRO stages 0-2 over a model and an elementwise optimizer. Built by `initialize`."""
+    """ZeRO stages 0-3 over a model and an elementwise optimizer. Built by `initialize`."""
+
+    instances_created = 0
+    """Engines built in this process (``hf_zero.run`` checks that its flags reached one)."""
 
     def __init__(
         self,
@@ -72,7 +79,6 @@ class ZeroEngine:
         config: ZeroConfig,
         lr_scheduler=None,
     ) -> None:
-        _refuse_unfinished(config)
         self.config = config
         self.module = model
         # Everything that can be refused is checked before any process-group work.
@@ -86,6 +92,8 @@ class ZeroEngine:
                 [p for p in model.parameters() if p.requires_grad], config.optimizer
             )
         check_elementwise(optimizer, config.allow_untested_optimizer)
+        if lr_scheduler is None and config.scheduler is not None:
+            lr_scheduler = scheduler_from_config(optimizer, config)
 
         self.topology = Topology.build(config.tp_size, config.node_size, _hpz_size(config))
         self.device = current_device()
@@ -106,6 +114,8 @@ class ZeroEngine:
         self._log_quantization_padding()
         self._cast_other_params()
         self.coordinator: Zero3Coordinator | None = None
+        self.state_dict_hooks: StateDictHooks | None = None
+        """Stage 3: make ``model.state_dict()``/``load_state_dict()`` gather (collective)."""
         if config.stage == 3:
             self.coordinator = Zero3Coordinator(
                 self.units,
@@ -113,6 +123,10 @@ class ZeroEngine:
                 prefetch_numel=config.prefetch_bucket_size,
                 max_live_numel=config.max_live_parameters,
                 check_execution_order=config.check_execution_order,
+            )
+            mark_whole_shapes(self.groups + self.frozen_groups)
+            self.state_dict_hooks = StateDictHooks(
+                self.module, self.units, self.topology.dp_control, self.tp
             )
         self.loss_scaler = LossScaler.from_config(config)
         self.reducer = GradientReducer(
@@ -142,16 +156,20 @@ class ZeroEngine:
         self._clipped = False
         self._in_engine_backward = False
         self.comm.stats.reset()  # start counting from the first training step
+        ZeroEngine.instances_created += 1
         if self.topology.rank == 0:
-            logger.info("hf_zero: %s", self.describe())
+            # Printed, not logged: scripts often set warning-level logging, and this line is
+            # how a user sees that hf_zero (and which stage) is really in charge.
+            print(f"hf_zero: {self.describe()}", file=sys.stderr, flush=True)
 
     def describe(self) -> str:
-        """One line: stage, precision, groups and what is switched on (logged at start)."""
+        """One line: stage, ranks, precision and what is switched on (printed at start)."""
         config, topo, zpp = self.config, self.topology, self.zeropp
         parts = [
-            f"ZeRO stage {config.stage}",
+            f"stage {config.stage} over {topo.dp_size} data-parallel rank"
+            + ("s" if topo.dp_size > 1 else ""),
             config.precision,
-            f"data parallel {topo.dp_size} ({topo.num_nodes} node(s) of {topo.node_size})",
+            f"{topo.num_nodes} node(s) of {topo.node_size} rank(s)",
             *(
                 [f"tensor parallel {topo.tp_size} (AutoTP, {len(self.tp.plan)} modules)"]
                 if self.tp
@@ -284,7 +302,7 @@ class ZeroEngine:
 
     def _build_units(self, ordered, group_of, threshold, make) -> list[FlatParamGroup]:
         """Stage 3: one sharded group per (unit, param group), plus one for frozen parameters."""
-        found = find_units(self.module)
+        found = find_units(self.module, log=self.topology.rank == 0)
         owner = assign_params_to_units(self.module, [m for _, m in found])
         self.units = [Unit(i, name, m, is_root=i == 0) for i, (name, m) in enumerate(found)]
         members: dict[int, dict[int | None, list]] = {}
@@ -599,16 +617,3 @@ def _hpz_size(config: ZeroConfig) -> int:
     world = torch.distributed.get_world_size()
     node = config.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return max(1, node // config.tp_size)
-
-
-def _refuse_unfinished(config: ZeroConfig) -> None:
-    """Features the config accepts but this version does not implement yet."""
-    unfinished = {
-        "offload_param": (config.offload_param != "none", "parameter offload (ZeRO-Infinity)"),
-    }
-    for key, (requested, what) in unfinished.items():
-        if requested:
-            raise NotImplementedError(
-                f"hf_zero: '{key}' = {getattr(config, key)!r} asks for {what}, which this version "
-                "does not implement yet (see docs/STATUS.md); use the ZeRO stages without it"
-            )

@@ -73,6 +73,28 @@ def model_state_bytes(
 PAPER_FORMULA = {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"}
 """The ZeRO paper's per-rank model states (mixed precision, Adam), for reference."""
 
+
+def formula(stage: int, precision: str = "bf16", offload: bool = False) -> str:
+    """hf_zero's device model states for ``stage`` as text (``"2P + 16P/N"``), read off
+    `model_state_bytes` itself so the two cannot disagree."""
+    one = model_state_bytes(1, 1, stage, precision, offload)["total"]
+    two = model_state_bytes(1, 2, stage, precision, offload)["total"]
+    per_n = 2 * (one - two)  # total = a P + c P/N
+    whole = one - per_n
+    terms = [f"{whole:g}P"] if whole else []
+    terms += [f"{per_n:g}P/N"] if per_n else []
+    return " + ".join(terms) or "0"
+
+
+WHY_NOT_PAPER = (
+    "Why hf_zero's column is above the ZeRO paper's (16-bit gradients): each rank keeps its "
+    "reduced gradient shard in fp32 until the optimizer step, so micro-batches accumulate "
+    "exactly. Stages 2-3 hold it instead of a 16-bit shard (+2P/N), stage 1 next to the whole "
+    "16-bit gradient (+4P/N), stage 0 as an fp32 copy of the whole gradient (+4P). The paper's "
+    "formulas assume bf16/fp16; in fp32 compare against hf_zero's column only."
+)
+"""Why `formula` differs from `PAPER_FORMULA` (printed by ``hf-zero estimate``)."""
+
 QUANT_SCALE_OVERHEAD = 4 / 256  # one fp32 scale per 256-element block
 
 

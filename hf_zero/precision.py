@@ -14,9 +14,12 @@ def dtype_of(name: str | None, default: torch.dtype) -> torch.dtype:
 class LossScaler:
     """Loss scale for fp16 training, with DeepSpeed's dynamic policy.
 
-    On an overflow the step is skipped; after ``hysteresis`` overflows in a row (DeepSpeed's
-    default is 2) the scale halves, never below ``min_scale``. After ``window`` good steps in a
-    row it doubles. A fixed scale (``dynamic=False``) never changes; scale 1.0 is "no scaling".
+    On an overflow the step is skipped; after ``hysteresis`` overflows (DeepSpeed's default is
+    2) the scale halves, never below ``min_scale``. After ``window`` good steps in a row it
+    doubles. With ``consecutive_hysteresis`` (DeepSpeed's ``fp16.consecutive_hysteresis``) every
+    good step restores the hysteresis, so only overflows in a row lower the scale; without it,
+    the hysteresis is restored when the scale grows. A fixed scale (``dynamic=False``) never
+    changes; scale 1.0 is "no scaling".
     """
 
     def __init__(
@@ -26,8 +29,10 @@ class LossScaler:
         window: int = 1000,
         hysteresis: int = 2,
         min_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
     ) -> None:
         self.scale = float(scale)
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.dynamic = dynamic
         self.window = window
         self.hysteresis = hysteresis
@@ -47,6 +52,7 @@ class LossScaler:
             window=config.loss_scale_window,
             hysteresis=config.hysteresis,
             min_scale=config.min_loss_scale,
+            consecutive_hysteresis=config.consecutive_hysteresis,
         )
 
     @property
@@ -65,6 +71,8 @@ class LossScaler:
                 self._hysteresis_left = self.hysteresis
             return
         self._good_steps += 1
+        if self.consecutive_hysteresis:
+            self._hysteresis_left = self.hysteresis
         if self._good_steps % self.window == 0:
             self.scale *= 2.0
             self._hysteresis_left = self.hysteresis

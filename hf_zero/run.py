@@ -7,13 +7,22 @@
 hf_zero's flags (``--zero_stage``, ``--zero_config``, ``--offload_optimizer``,
 ``--zero_quantized_weights``, ``--zero_hpz_partition_size``, ``--zero_quantized_gradients``,
 ``--zero_quantized_nontrainable_weights``, ``--tp_size``) are taken out of the argument list, so
-the script's own parser never sees them; they are validated before the script starts. Then the
-script runs as ``__main__`` with one change, and only one: the names ``transformers.Trainer`` and
-``transformers.trainer.Trainer`` point at `ZeroTrainer` (a subclass of the original). Every
-Trainer the script builds - including subclasses it defines and TRL's trainers, which subclass
-``transformers.Trainer`` when they are imported - then uses hf_zero's accelerator and its
-save/load paths. Nothing else is patched; a script run without this module behaves exactly as
-stock transformers.
+the script's own parser never sees them; they are validated before the script starts, and a
+mistake is one line on rank 0 (exit status 2). Then the script runs as ``__main__`` with these
+changes, and only these:
+
+* the names ``transformers.Trainer`` / ``transformers.trainer.Trainer`` point at `ZeroTrainer`
+  (a subclass of the original): every Trainer the script builds - including subclasses it
+  defines and TRL's trainers, which subclass ``transformers.Trainer`` when they are imported -
+  uses hf_zero's engine and its save/load paths;
+* the names ``accelerate.Accelerator`` / ``accelerate.accelerator.Accelerator`` point at
+  `ZeroAccelerator` (a subclass), for custom Accelerate loops;
+* without a GPU, ``ACCELERATE_USE_CPU=true``: the launched processes form one gloo group, as
+  ``--use_cpu`` / ``accelerate launch --cpu`` would make them (see `hf_zero.integrations.cpu`).
+
+If flags were given but the script never built a Trainer or an Accelerator (so hf_zero never
+ran), the command fails with a message saying so. A script run without this module behaves
+exactly as stock transformers.
 
 ``HF_ZERO_CONFIG=f.yaml`` alone does the same for commands you cannot change, once
 ``hf-zero autoload on`` has put a one-line ``.pth`` hook into the environment (see
@@ -28,6 +37,7 @@ import sys
 from typing import Any
 
 from hf_zero.config import CLI_FLAGS
+from hf_zero.launch_errors import USAGE_STATUS, report
 
 # --flag -> (ZeroConfig field, parser for its value)
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -60,6 +70,8 @@ FLAGS: dict[str, tuple[str, Any]] = {
 BOOLEAN_FLAGS = {f for f, (_, kind) in FLAGS.items() if kind is _bool}
 
 _active: tuple[dict[str, Any], str | None] | None = None
+NOT_USED_STATUS = 3
+"""Exit status when hf_zero flags were given but the script built no Trainer or Accelerator."""
 
 
 def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]:
@@ -101,11 +113,21 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
 def activate(values: dict[str, Any] | None = None, config_file: str | None = None) -> None:
     """Validate the settings, remember them and point ``transformers.Trainer`` at ZeroTrainer."""
     from hf_zero.config import resolve_sources
+    from hf_zero.integrations.cpu import use_cpu_processes
 
     global _active
-    resolve_sources(values or {}, config_file)  # bad settings fail before the script runs
+    # Bad settings fail before the script runs, including those that depend on the number of
+    # processes the launcher started.
+    resolve_sources(values or {}, config_file).check_world(launched_world_size())
     _active = (dict(values or {}), config_file)
+    use_cpu_processes()
     patch_trainer()
+    patch_accelerator()
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher started (1 for a plain ``python``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def active_sources() -> tuple[dict[str, Any], str | None]:
@@ -125,6 +147,36 @@ def patch_trainer() -> None:
     sys.modules["transformers"].Trainer = ZeroTrainer
 
 
+def patch_accelerator() -> None:
+    """Make ``accelerate.Accelerator`` (both import paths) `ZeroAccelerator`. Idempotent.
+
+    A custom loop's ``Accelerator(...)`` then builds hf_zero's engine in ``prepare``; the
+    settings come from `active_sources` (and ``$HF_ZERO_CONFIG``).
+    """
+    import accelerate
+    import accelerate.accelerator as accelerator_module
+
+    from hf_zero.integrations.accelerate import ZeroAccelerator
+
+    accelerator_module.Accelerator = ZeroAccelerator
+    accelerate.Accelerator = ZeroAccelerator
+
+
+def hf_zero_was_used() -> bool:
+    """Whether this process built a `ZeroAccelerator` (the Trainer builds one) or an engine."""
+    from hf_zero.engine import ZeroEngine
+
+    accelerate = sys.modules.get("hf_zero.integrations.accelerate")
+    made = getattr(getattr(accelerate, "ZeroAccelerator", None), "instances_created", 0)
+    return made > 0 or ZeroEngine.instances_created > 0
+
+
+def fail(message: str, status: int = USAGE_STATUS) -> int:
+    """Print ``error: message`` once (rank 0) and return ``status`` for ``sys.exit``."""
+    report(message)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
@@ -140,12 +192,25 @@ def main(argv: list[str] | None = None) -> int:
         from hf_zero import run as canonical
 
         canonical.activate(values, config_file)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, NotImplementedError) as error:
+        return fail(str(error))
+    if not os.path.isfile(script):
+        return fail(f"hf_zero run: no such script: {script}")
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+    if (values or config_file) and not canonical.hf_zero_was_used():
+        flag_of = {name: flag for flag, (name, _) in FLAGS.items()}
+        given = [f"{flag_of[name]} {value}" for name, value in values.items()]
+        given += [f"--zero_config {config_file}"] if config_file else []
+        given = ", ".join(given)
+        return fail(
+            f"hf_zero run: {given} were given, but {script} finished without building a "
+            "transformers Trainer or an accelerate Accelerator, so hf_zero never ran. "
+            "hf_zero.run reaches scripts that use one of those two; for a bare torch loop call "
+            "hf_zero.initialize() yourself.",
+            NOT_USED_STATUS,
+        )
     return 0
 
 

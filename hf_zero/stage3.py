@@ -1,12 +1,14 @@
 """ZeRO stage 3: parameters sharded, gathered just in time by hooks on the user's own modules.
 
 The model is cut into **units**: every instance of a class named in the model's
-``_no_split_modules`` (Hugging Face decoder layers), plus the root module, which owns whatever no
+``_no_split_modules`` (Hugging Face decoder layers; without it, the blocks of the model's largest
+list of repeated blocks: `hf_zero.stage3_units`), plus the root module, which owns whatever no
 deeper unit owns (embeddings, final norm, head). A unit's parameters live in one
 `FlatParamGroup` per optimizer param group (and one for its frozen parameters); gathering a unit
 all-gathers those groups, releasing it drops the full buffers. Parameters smaller than
 ``param_persistence_threshold`` are not sharded at all: they stay whole on every rank and go
-through the stage-2 path (sharded gradients and optimizer state).
+through the stage-2 path (sharded gradients and optimizer state). ``model.state_dict()`` and
+``load_state_dict()`` gather what they touch (`hf_zero.stage3_state_dict`).
 
 Life of a unit in one training step:
 
@@ -38,6 +40,7 @@ import torch.utils._pytree as pytree
 
 from hf_zero.comm.collectives import all_gather_single
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.stage3_units import assign_params_to_units, find_units  # noqa: F401 (re-exported)
 from hf_zero.topology import Group
 
 logger = logging.getLogger(__name__)
@@ -61,52 +64,6 @@ class Unit:
     @property
     def is_gathered(self) -> bool:
         return all(g.flat_param is not None for g in self.groups)
-
-
-def find_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The root plus every instance of a class listed in a ``_no_split_modules`` of the model.
-
-    Models without that attribute get one unit per direct child that holds parameters.
-    """
-    class_names: set[str] = set()
-    for module in model.modules():
-        class_names |= set(getattr(module, "_no_split_modules", None) or [])
-    units = [("", model)]
-    if class_names:
-        units += [
-            (name, m)
-            for name, m in model.named_modules()
-            if m is not model and type(m).__name__ in class_names
-        ]
-    else:
-        units += [
-            (name, m)
-            for name, m in model.named_children()
-            if next(m.parameters(), None) is not None
-        ]
-    return units
-
-
-def assign_params_to_units(
-    model: torch.nn.Module, unit_modules: list[torch.nn.Module]
-) -> dict[int, int]:
-    """Map ``id(param)`` to the index of the innermost unit owning it.
-
-    A parameter used under two different units (weights tied across layers) goes to the root,
-    which stays gathered for the whole forward.
-    """
-    index_of = {id(m): i for i, m in enumerate(unit_modules)}
-    owner: dict[int, int] = {}
-
-    def visit(module: torch.nn.Module, unit: int) -> None:
-        unit = index_of.get(id(module), unit)
-        for p in module.parameters(recurse=False):
-            owner[id(p)] = unit if owner.get(id(p), unit) == unit else 0
-        for child in module.children():
-            visit(child, unit)
-
-    visit(model, 0)
-    return owner
 
 
 class _PostBackward(torch.autograd.Function):

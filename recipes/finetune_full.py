@@ -13,10 +13,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from recipe_utils import load_model_and_tokenizer, make_lm_dataset, train_and_save
+from recipe_utils import (
+    check_model_source,
+    load_model_and_tokenizer,
+    make_lm_dataset,
+    train_and_save,
+)
 from transformers import HfArgumentParser
 
 from hf_zero import ZeroTrainingArguments
+from hf_zero.launch_errors import parse_or_exit
 
 logger = logging.getLogger("finetune_full")
 
@@ -33,7 +39,8 @@ class DataArguments:
 
 def main(argv=None) -> None:
     parser = HfArgumentParser((DataArguments, ZeroTrainingArguments))
-    data, args = parser.parse_args_into_dataclasses(args=argv)
+    data, args = parse_or_exit(parser.parse_args_into_dataclasses, args=argv)
+    parse_or_exit(check_model_source, data.model_name_or_path)
     logging.basicConfig(level=logging.INFO if args.process_index == 0 else logging.WARNING)
     model, tokenizer = load_model_and_tokenizer(data.model_name_or_path, seed=args.seed)
     with args.main_process_first(desc="tokenizing"):

@@ -7,7 +7,11 @@ With no ``--model_name_or_path`` it trains the embedded tiny Llama on the embedd
 in about a minute on two CPU processes. Any causal LM and any text dataset work the same way
 (``--model_name_or_path``, ``--dataset_name``/``--text_file``). Every Trainer flag applies, plus
 hf_zero's (``--zero_stage``, ``--zero_config``, ``--offload_optimizer``, ...). The adapter is
-saved in PEFT format: ``PeftModel.from_pretrained(base_model, output_dir)`` loads it.
+saved in PEFT format, with ``base_model_name_or_path`` in adapter_config.json (the embedded
+base is saved to ``output_dir/base_model``) and ``hf_zero_training.json`` (how the base was
+quantized): ``hf_zero.load_for_inference(None, output_dir)`` rebuilds the trained model exactly;
+``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), output_dir)`` loads the
+adapter on the unquantized base.
 
 Under ZeRO-3 the frozen base weights are stored as INT8 shards (MixZ++) unless you say otherwise
 (``--mixz false``, or ``quantized_nontrainable_weights`` in a flag or config file): the base costs
@@ -21,11 +25,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from recipe_utils import load_model_and_tokenizer, make_lm_dataset, train_and_save
+from recipe_utils import (
+    check_model_source,
+    load_model_and_tokenizer,
+    make_lm_dataset,
+    save_embedded_base,
+    train_and_save,
+)
 from transformers import HfArgumentParser
 
 import hf_zero
 from hf_zero import ZeroTrainingArguments
+from hf_zero.launch_errors import parse_or_exit
 
 logger = logging.getLogger("finetune_lora")
 
@@ -58,7 +69,8 @@ class LoraArguments:
 
 def main(argv=None) -> None:
     parser = HfArgumentParser((LoraArguments, ZeroTrainingArguments))
-    script, args = parser.parse_args_into_dataclasses(args=argv)
+    script, args = parse_or_exit(parser.parse_args_into_dataclasses, args=argv)
+    parse_or_exit(check_model_source, script.model_name_or_path)
     logging.basicConfig(level=logging.INFO if args.process_index == 0 else logging.WARNING)
     from peft import LoraConfig, get_peft_model
 
@@ -67,6 +79,8 @@ def main(argv=None) -> None:
         args.zero = args.zero.replace(**{key: True})
 
     model, tokenizer = load_model_and_tokenizer(script.model_name_or_path, seed=args.seed)
+    if script.model_name_or_path is None:  # adapter_config.json must name a loadable base
+        save_embedded_base(model, tokenizer, args)
     targets = script.lora_target_modules
     lora = LoraConfig(
         r=script.lora_r,

@@ -3,9 +3,42 @@ dataset (with the embedded corpus as default) and a fixed probe for checking sav
 
 from __future__ import annotations
 
+import os
+import urllib.error
+import urllib.request
+
 import torch
 
 from hf_zero.tiny import tiny_corpus, tiny_llama, tiny_tokenizer
+
+
+def check_model_source(name: str | None) -> None:
+    """Raise one clear ``ValueError`` when ``--model_name_or_path`` is neither a local directory,
+    nor in the Hugging Face cache, nor a model the Hub answers for (before anything is built)."""
+    if name is None or os.path.isdir(name):
+        return
+    flag = f"--model_name_or_path {name!r}"
+    if os.path.exists(name) or name.startswith((".", "/", "~")):
+        raise ValueError(f"{flag} is not a directory")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{flag} is not a local directory and not in the cache (HF_HUB_OFFLINE)")
+    request = urllib.request.Request(f"{constants.ENDPOINT}/api/models/{name}", method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as error:
+        if error.code not in (401, 403):  # private or gated: from_pretrained uses your token
+            raise ValueError(
+                f"{flag} is not a local directory and not a model on the Hub"
+            ) from None
+    except OSError as error:
+        raise ValueError(
+            f"{flag} is not a local directory, not in the cache, and the Hub cannot be reached "
+            f"({getattr(error, 'reason', error)})"
+        ) from None
 
 
 def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):
@@ -24,6 +57,26 @@ def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return AutoModelForCausalLM.from_pretrained(model_name_or_path), tokenizer
+
+
+def save_embedded_base(model, tokenizer, args) -> str:
+    """Save the embedded tiny base to ``<output_dir>/base_model`` and make that its name.
+
+    It has no Hub id, and rebuilding it needs the seed, vocabulary size and init range the run
+    used; a saved copy (config.json + model.safetensors, about 0.4 MB) loads with
+    ``from_pretrained`` and nothing else. The path is absolute because PEFT (and
+    ``AutoPeftModelForCausalLM``) resolve ``base_model_name_or_path`` from the current
+    directory; ``hf_zero.load_for_inference`` also finds ``base_model/`` next to a moved adapter.
+    Call it before ``get_peft_model``, which records ``model.name_or_path`` in adapter_config.json.
+    """
+    import os
+
+    path = os.path.abspath(os.path.join(args.output_dir, "base_model"))
+    if args.should_save:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    model.name_or_path = path
+    return path
 
 
 def make_lm_dataset(tokenizer, block_size: int, dataset_name=None, text_file=None):

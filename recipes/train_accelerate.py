@@ -16,11 +16,12 @@ import math
 from pathlib import Path
 
 import torch
-from recipe_utils import load_model_and_tokenizer, make_lm_dataset
+from recipe_utils import check_model_source, load_model_and_tokenizer, make_lm_dataset
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from hf_zero import ZeroAccelerator, ZeroPlugin
+from hf_zero.launch_errors import parse_or_exit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,9 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    plugin = ZeroPlugin(
-        args.zero_config, stage=args.zero_stage, offload_optimizer=args.offload_optimizer
+    args = parse_or_exit(parse_args, argv)
+    parse_or_exit(check_model_source, args.model_name_or_path)
+    plugin = parse_or_exit(
+        ZeroPlugin,
+        args.zero_config,
+        stage=args.zero_stage,
+        offload_optimizer=args.offload_optimizer,
     )
     accelerator = ZeroAccelerator(
         zero_plugin=plugin, gradient_accumulation_steps=args.gradient_accumulation_steps
@@ -57,8 +62,11 @@ def main(argv=None) -> None:
         dataset, batch_size=args.batch_size, shuffle=True, collate_fn=default_data_collator
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # A prepared scheduler steps once per process at each optimizer step (Accelerate's
+    # convention, as in transformers' run_clm_no_trainer): count the schedule in those steps.
+    total = args.steps * accelerator.num_processes
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0)))
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0)))
     )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
@@ -82,7 +90,14 @@ def main(argv=None) -> None:
                 continue
             step += 1
             mean_loss = accelerator.gather_for_metrics(loss.detach().reshape(1)).mean().item()
-            history.append({"step": step, "loss": mean_loss, "grad_norm_pre_clip": norm.item()})
+            history.append(
+                {
+                    "step": step,
+                    "loss": mean_loss,
+                    "grad_norm_pre_clip": norm.item(),
+                    "lr_after_step": scheduler.get_last_lr()[0],
+                }
+            )
             if step % 10 == 0:
                 accelerator.print(f"step {step:4d}  loss {mean_loss:.4f}  grad_norm {norm:.3f}")
             if step == args.save_state_at:

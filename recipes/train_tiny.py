@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
+from hf_zero.launch_errors import parse_or_exit
 from hf_zero.tiny import tiny_llama, token_batches
 
 logger = logging.getLogger("train_tiny")
@@ -47,20 +48,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> float:
-    args = parse_args(argv)
-    hf_zero.init_distributed()
-    rank = dist.get_rank()
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(message)s",
-    )
-    config = hf_zero.ZeroConfig.load(
+    args = parse_or_exit(parse_args, argv)
+    config = parse_or_exit(  # mistakes: one line, before any process-group work
+        hf_zero.ZeroConfig.load,
         args.zero_config,
         stage=args.zero_stage,
         precision=args.precision,
         offload_optimizer=args.offload_optimizer,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_clipping=args.max_grad_norm,
+    )
+    hf_zero.init_distributed()
+    rank = dist.get_rank()
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(message)s",
     )
     model = tiny_llama(seed=args.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]

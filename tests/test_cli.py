@@ -64,3 +64,33 @@ def test_estimate_presets_tp_mixz_and_activations(capsys):
     assert "frozen as INT8 (MixZ++)" in mixz
     assert main(["estimate", "--model", "gpt-17"]) == 2
     assert "known: " + ", ".join(MODEL_PRESETS) in capsys.readouterr().err
+
+
+def test_estimate_names_its_units_and_why_it_differs_from_the_paper(capsys):
+    from hf_zero.memory import formula, model_state_bytes
+
+    assert main(["estimate", "--params", "7e9", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB = 2^30 bytes" in out and "device GiB" in out
+    rows = [line.split(None, 5) for line in out.splitlines() if line[:5].strip().isdigit()]
+    columns = {(int(r[0]), r[1]): r[5] for r in rows}
+    assert columns[(2, "False")].split("  ")[0].strip() == "2P + 16P/N"
+    assert columns[(2, "False")].endswith("2P + 14P/N")  # the paper's, alongside
+    assert "Stages 2-3 hold it instead of a 16-bit shard (+2P/N)" in out
+    # The printed formula is the estimator's own arithmetic, at any P and N.
+    for stage in (0, 1, 2, 3):
+        text = formula(stage, "bf16")
+        P, N = 1000.0, 4.0
+        value = sum(
+            float(term.split("P")[0]) * (P / N if term.endswith("/N") else P)
+            for term in text.split(" + ")
+        )
+        assert value == model_state_bytes(P, N, stage, "bf16")["total"], (stage, text)
+
+
+def test_config_names_the_line_of_a_syntax_error(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("stage: 3\nzero:\n  - a\n b: 1\n")
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.yaml:4:" in err and "not valid YAML" in err and "Traceback" not in err

@@ -2,11 +2,26 @@
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 
 from hf_zero import ZeroConfig
-from hf_zero.config import is_deepspeed_config
+from hf_zero import deepspeed_config as ds_config
+from hf_zero.config import explicit_values
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    """Each test sees the once-per-process DeepSpeed warning afresh."""
+    ds_config._warned.clear()
+
+
+def is_deepspeed_config(raw):
+    return ds_config.is_deepspeed_config(raw, set(ZeroConfig.__dataclass_fields__))
+
 
 FP16_AUTO = {
     "enabled": "auto",
@@ -87,7 +102,7 @@ def test_defaults_are_valid():
 def test_hf_docs_zero2_example_loads(tmp_path):
     path = tmp_path / "ds_zero2.json"
     path.write_text(json.dumps(DS_ZERO2))
-    with pytest.warns(UserWarning, match="steps_per_print.*wall_clock_breakdown"):
+    with pytest.warns(UserWarning, match="allgather_bucket_size.*steps_per_print"):
         cfg = ZeroConfig.load(path)
     assert cfg.stage == 2
     assert cfg.offload_optimizer == "cpu"
@@ -113,9 +128,15 @@ def test_hf_docs_zero2_example_loads(tmp_path):
 def test_hf_docs_zero3_example_loads_and_resolves_from_hidden_size(tmp_path):
     path = tmp_path / "ds_zero3.json"
     path.write_text(json.dumps(DS_ZERO3))
+    # Parameter offload (ZeRO-Infinity) is refused while the file is read, naming the key.
+    with pytest.raises(ValueError, match=r"'zero_optimization.offload_param.device' = 'cpu'"):
+        _load_quiet(path)
+    without = json.loads(json.dumps(DS_ZERO3))
+    without["zero_optimization"]["offload_param"]["device"] = "none"
+    path.write_text(json.dumps(without))
     cfg = _load_quiet(path)
     assert cfg.stage == 3
-    assert cfg.offload_param == "cpu"
+    assert cfg.offload_param == "none"
     assert cfg.max_live_parameters == 10**9 and isinstance(cfg.max_live_parameters, int)
     cfg.resolve_auto(hidden_size=64)
     assert cfg.reduce_bucket_size == 64 * 64
@@ -219,10 +240,103 @@ def test_deepspeed_contradictions_and_unsupported_values():
         ZeroConfig.load({"fp16": {"enabled": "yes"}})
 
 
-def test_unimplemented_deepspeed_keys_are_warned_by_name():
-    ds = {"zero_optimization": {"stage": 1, "mics_shard_size": 8}, "flops_profiler": {}}
-    with pytest.warns(UserWarning, match=r"flops_profiler, zero_optimization.mics_shard_size"):
+def test_no_effect_keys_are_warned_once_per_launch_on_rank_zero(monkeypatch):
+    ds = {
+        "zero_optimization": {"stage": 1, "allgather_bucket_size": 5e8, "sub_group_size": 1e9},
+        "flops_profiler": {"enabled": True},
+    }
+    with pytest.warns(UserWarning) as record:
         ZeroConfig.load(ds)
+        explicit_values(ds)  # the Trainer reads the same file again: no second warning
+    assert len(record) == 1, [str(r.message) for r in record]
+    message = str(record[0].message)
+    for key in ("flops_profiler", "allgather_bucket_size", "sub_group_size"):
+        assert key in message
+    assert "use torch.profiler" in message  # each with what to use instead
+    ds_config._warned.clear()
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroConfig.load(ds)  # other ranks stay quiet
+
+
+def test_inherent_and_inactive_keys_are_silent():
+    ds = {
+        "zero_optimization": {
+            "stage": 2, "contiguous_gradients": True, "reduce_scatter": True,
+            "round_robin_gradients": True, "ignore_unused_parameters": True,
+            "offload_optimizer": {"device": "none", "pin_memory": True},
+        },
+        "fp16": {"enabled": False, "auto_cast": False},
+        "bf16": {"enabled": True, "immediate_grad_update": True},
+        "flops_profiler": {"enabled": False}, "wall_clock_breakdown": False,
+        "prescale_gradients": False, "amp": {"enabled": False},
+    }  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = ZeroConfig.load(ds)
+    assert cfg.stage == 2 and cfg.precision == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("ds", "match"),
+    [
+        ({"zero_optimization": {"mics_shard_size": 8}}, r"'zero_optimization.mics_shard_size' = 8 is not supported: MiCS"),
+        ({"prescale_gradients": True}, r"'prescale_gradients' = True is not supported"),
+        ({"amp": {"enabled": True}}, r"'amp' = .* use `fp16` or `bf16`"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, r"always fp32"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, r"partial offload"),
+        ({"pipeline": {"stages": "auto"}}, r"'pipeline' .* pipeline parallelism is not implemented"),
+    ],
+)  # fmt: skip
+def test_refused_keys_name_key_value_and_why(ds, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig.load(ds)
+
+
+def test_every_honoured_deepspeed_key_sets_its_field():
+    for key, fate in ds_config.KEYS.items():
+        if fate.kind != ds_config.HONOURED:
+            continue
+        *sections, name = key.split(".")
+        raw = {name: fate.example}
+        for section in reversed(sections):
+            raw = {section: raw}
+        raw.setdefault("zero_optimization", {}).setdefault("stage", 3)
+        values = ds_config.from_deepspeed(raw)
+        assert fate.detail in values, key
+        if fate.detail not in ("precision", "tp_plan", "stage"):
+            assert values[fate.detail] == fate.example, key
+        ZeroConfig(**values)  # and the value is valid
+
+
+def test_docs_show_the_deepspeed_key_table_the_code_uses():
+    docs = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert ds_config.markdown_table() in docs
+
+
+def test_consecutive_hysteresis_restores_hysteresis_after_each_good_step():
+    from hf_zero.precision import LossScaler
+
+    for consecutive, expected in ((False, 2.0**15), (True, 2.0**16)):
+        scaler = LossScaler(2.0**16, dynamic=True, hysteresis=2, consecutive_hysteresis=consecutive)
+        for overflow in (True, False, True):  # two overflows, not in a row
+            scaler.update(overflow)
+        assert scaler.scale == expected, consecutive
+    assert ZeroConfig.load(
+        {"fp16": {"enabled": True, "consecutive_hysteresis": True}}
+    ).consecutive_hysteresis
+
+
+def test_syntax_errors_name_the_file_and_line(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("stage: 3\nprecision: [bf16\n")
+    with pytest.raises(ValueError, match=r"bad.yaml:\d+:\d+: not valid YAML"):
+        ZeroConfig.load(bad_yaml)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"zero_optimization": {"stage": 3,}}')
+    with pytest.raises(ValueError, match=r"bad.json:1:\d+: not valid JSON"):
+        ZeroConfig.load(bad_json)
 
 
 def test_missing_file_and_batch_size_mismatch(tmp_path):

@@ -75,11 +75,12 @@ def test_optimizer_from_deepspeed_section(single_rank):
     engine = hf_zero.initialize(model, None, cfg)
     assert isinstance(engine.optimizer.optimizer, torch.optim.AdamW)
     assert engine.optimizer.optimizer.param_groups[0]["lr"] == 0.01
+    assert engine.optimizer.optimizer.param_groups[0]["weight_decay"] == 0.0  # DeepSpeed's default
     unresolved = {
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
     }
-    with pytest.raises(ValueError, match=r"unresolved 'auto' values for \['lr'\]"):
+    with pytest.raises(ValueError, match=r"'optimizer.params.lr' = 'auto', but there is nothing"):
         hf_zero.initialize(tiny_llama(), None, unresolved)
 
 

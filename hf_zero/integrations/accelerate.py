@@ -21,6 +21,7 @@ become one gloo group on the CPU without further settings.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -31,9 +32,13 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 
 from hf_zero.config import ZeroConfig
 from hf_zero.engine import ZeroEngine, initialize
+from hf_zero.optim.deepspeed_schedules import DeepSpeedSchedule
+
+logger = logging.getLogger(__name__)
 
 _ACCELERATE_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
@@ -43,9 +48,13 @@ class ZeroPlugin:
     """hf_zero settings for `ZeroAccelerator`: a `ZeroConfig` (from any source it accepts)."""
 
     config: ZeroConfig = field(default_factory=ZeroConfig)
+    trainer_managed: bool = False
+    """Set by `ZeroTrainer`: the Trainer accumulates gradients and clips them itself, so the
+    config's ``gradient_accumulation_steps`` and ``gradient_clipping`` are left to it."""
 
     def __init__(self, config: ZeroConfig | dict | str | None = None, **overrides) -> None:
         self.config = ZeroConfig.load(config, **overrides)
+        self.trainer_managed = False
 
     def adopt_mixed_precision(self, mixed_precision: str | None) -> None:
         """Take Accelerate's ``mixed_precision`` as the compute dtype, unless the config set one.
@@ -96,20 +105,31 @@ class ZeroAccelerator(Accelerator):
     """An `accelerate.Accelerator` whose model and optimizer run on hf_zero's ZeRO engine.
 
     Args:
-        zero_plugin: the hf_zero settings; default: ``$HF_ZERO_CONFIG`` if set, else defaults.
+        zero_plugin: the hf_zero settings; default: ``hf_zero.run``'s flags and
+            ``--zero_config`` when it runs the script, over ``$HF_ZERO_CONFIG``, over defaults.
         *args, **kwargs: as for ``Accelerator``. ``mixed_precision`` (or the launcher's
             ``ACCELERATE_MIXED_PRECISION``) becomes the engine's precision.
     """
 
+    instances_created = 0
+    """How many were built in this process (``hf_zero.run`` checks that its flags were used)."""
+
     def __init__(self, *args, zero_plugin: ZeroPlugin | None = None, **kwargs) -> None:
         if zero_plugin is None:
-            zero_plugin = ZeroPlugin(os.environ.get("HF_ZERO_CONFIG") or None)
+            # `hf_zero.run`'s flags and --zero_config, if active, over $HF_ZERO_CONFIG.
+            from hf_zero.config import resolve_sources
+            from hf_zero.run import active_sources
+
+            zero_plugin = ZeroPlugin(resolve_sources(*active_sources()))
+        ZeroAccelerator.instances_created += 1
         precision = kwargs.pop("mixed_precision", None) or os.environ.get(
             "ACCELERATE_MIXED_PRECISION"
         )
         zero_plugin.adopt_mixed_precision(precision)
         if not torch.cuda.is_available():
             kwargs.setdefault("cpu", True)  # several CPU processes: one gloo group
+        if not zero_plugin.trainer_managed:
+            _adopt_accumulation(zero_plugin.config, kwargs)
         super().__init__(*args, mixed_precision="no", **kwargs)
         self.zero_plugin = zero_plugin
         self.engine: ZeroEngine | None = None
@@ -156,11 +176,28 @@ class ZeroAccelerator(Accelerator):
             accelerator_module.prepare_data_loader = original
 
     def _make_engine(self, model: torch.nn.Module, optimizer) -> ZeroEngine:
-        # Accelerate (and the Trainer) scale the loss and call clip_grad_norm_ themselves, so
-        # the engine must not accumulate or clip on its own.
-        config = self.zero_plugin.config.replace(
-            gradient_accumulation_steps=1, gradient_clipping=0.0
+        # Accelerate (or the Trainer) owns accumulation: it scales the loss, skips the sync and
+        # steps only at the end of a window, so the engine steps whenever it is asked to. The
+        # batch sizes are checked here, with the accumulation that really happens.
+        plugin, config = self.zero_plugin, self.zero_plugin.config
+        gas = config.gradient_accumulation_steps
+        gas = gas if plugin.trainer_managed else self.gradient_accumulation_steps
+        if isinstance(gas, int):
+            dp_size = self.num_processes // config.tp_size
+            config.replace(gradient_accumulation_steps=gas).check_batch_sizes(dp_size)
+        # Outside the Trainer the config's clipping applies at each step, unless the loop calls
+        # clip_grad_norm_ itself in that window (its call then applies; the norm is taken once).
+        # The Trainer clips with its own max_grad_norm (the same value) and keeps that as it was.
+        clip = config.gradient_clipping
+        clip = 0.0 if plugin.trainer_managed or not isinstance(clip, (int, float)) else clip
+        config = config.replace(
+            gradient_accumulation_steps=1,
+            gradient_clipping=float(clip),
+            train_batch_size=None,
+            scheduler=None,  # the loop (or the Trainer) steps its own prepared scheduler
         )
+        if not plugin.trainer_managed:
+            _warn_unused_sections(config, optimizer)
         engine = initialize(model, optimizer, config)
         model._hf_zero_engine = engine
         # The Trainer calls model.zero_grad() after each step; route it to the engine so that
@@ -178,6 +215,29 @@ class ZeroAccelerator(Accelerator):
             # the optimizer.
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def prepare_scheduler(self, scheduler):
+        """As Accelerate's, but a DeepSpeed schedule (`deepspeed_schedules`) advances once per
+        optimizer step, as in DeepSpeed, not once per process."""
+        if not isinstance(scheduler, DeepSpeedSchedule):
+            if (
+                self.zero_plugin.config.scheduler is not None
+                and not self.zero_plugin.trainer_managed
+            ):
+                logger.warning(
+                    "hf_zero: the zero config's 'scheduler' section is not applied to %s; build "
+                    "it with hf_zero.optim.deepspeed_schedules.scheduler_from_config",
+                    type(scheduler).__name__,
+                )
+            return super().prepare_scheduler(scheduler)
+        wrapped = AcceleratedScheduler(
+            scheduler,
+            self._optimizers,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=True,  # steps once per optimizer step
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         if isinstance(optimizer, ZeroAcceleratedOptimizer):
@@ -249,6 +309,39 @@ class ZeroAccelerator(Accelerator):
             )
         _set_rng_state(
             torch.load(input_dir / f"rng_state_{self.process_index}.pt", weights_only=True)
+        )
+
+
+def _adopt_accumulation(config: ZeroConfig, kwargs: dict) -> None:
+    """Give Accelerate the config's ``gradient_accumulation_steps`` (> 1) unless the caller set
+    one; a different one raises."""
+    ours = config.gradient_accumulation_steps
+    if isinstance(ours, bool) or not isinstance(ours, int) or ours <= 1:
+        return
+    plugin = kwargs.get("gradient_accumulation_plugin")
+    env = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if plugin is not None:
+        theirs, where = plugin.num_steps, "gradient_accumulation_plugin.num_steps"
+    elif env:  # Accelerate lets the launcher's value win over the argument
+        theirs, where = int(env), "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+    elif "gradient_accumulation_steps" in kwargs:
+        theirs, where = kwargs["gradient_accumulation_steps"], "gradient_accumulation_steps"
+    else:
+        kwargs["gradient_accumulation_steps"] = ours
+        return
+    if theirs != ours:
+        raise ValueError(
+            f"hf_zero: the zero config says gradient_accumulation_steps = {ours} but the "
+            f"Accelerator was given {where} = {theirs}; make them agree or set one of them"
+        )
+
+
+def _warn_unused_sections(config: ZeroConfig, optimizer) -> None:
+    if config.optimizer is not None and not getattr(optimizer, "_hf_zero_from_config", False):
+        logger.warning(
+            "hf_zero: the zero config's 'optimizer' section is not applied to the %s passed to "
+            "prepare(); build it with hf_zero.optim.deepspeed_optimizer.optimizer_from_config",
+            type(optimizer).__name__,
         )
 
 

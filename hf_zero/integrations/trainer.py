@@ -11,6 +11,7 @@ any process group exists.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -21,6 +22,17 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from hf_zero.config import AUTO, CLI_FLAGS, ENV_VAR, ZeroConfig, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+from hf_zero.integrations.cpu import ensure_cpu_args
+from hf_zero.optim.deepspeed_optimizer import (
+    optimizer_spec,
+    resolve_params,
+    trainer_values,
+    type_and_params,
+)
+from hf_zero.optim.deepspeed_schedules import SCHEDULERS, build_scheduler
+from hf_zero.stage3_units import num_parameters
+
+logger = logging.getLogger(__name__)
 
 ZERO_DIR = "zero"  # the engine's sharded checkpoint inside a Trainer checkpoint directory
 
@@ -57,6 +69,8 @@ class ZeroTrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         # Checked first: bad settings fail before TrainingArguments touches any device.
         self.zero = self.resolve_zero_config()
+        if "WORLD_SIZE" in os.environ:  # launched: the process count is known now
+            self.zero.check_world(int(os.environ["WORLD_SIZE"]))
         if not torch.cuda.is_available():
             self.use_cpu = True
         super().__post_init__()
@@ -107,13 +121,25 @@ def zero_config_for(
             )
     if explicit.get("precision") in (None, AUTO):
         config.precision = AUTO  # filled from --bf16/--fp16 just below
-    return config.resolve_auto(
+    config = config.resolve_auto(
         micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         max_grad_norm=args.max_grad_norm,
         precision=precision,
         final=False,  # bucket sizes and thresholds follow the model in initialize()
     )
+    _check_sections(config, args)
+    return config
+
+
+def _check_sections(config: ZeroConfig, args: TrainingArguments) -> None:
+    """Refuse an unknown optimizer/scheduler type or key now, not after the model is built."""
+    if config.optimizer is not None:
+        optimizer_spec(config.optimizer, trainer_values(args))
+    if config.scheduler is not None:
+        name, params = type_and_params("scheduler", config.scheduler, SCHEDULERS)
+        allowed = {*SCHEDULERS[name].DEFAULTS, *SCHEDULERS[name].REQUIRED}
+        resolve_params("scheduler", params, allowed, trainer_values(args, 1))
 
 
 class ZeroTrainerMixin:
@@ -130,10 +156,14 @@ class ZeroTrainerMixin:
     """
 
     def __init__(self, *args, zero_config: ZeroConfig | None = None, **kwargs) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            ensure_cpu_args(training_args)  # no GPU: the launched processes are one CPU group
         self._zero_config = zero_config
         self._comm_bytes_logged = 0
         self._steps_logged = 0
         super().__init__(*args, **kwargs)
+        self._warn_sections_overridden()
 
     @property
     def engine(self):
@@ -147,6 +177,8 @@ class ZeroTrainerMixin:
 
             config = zero_config_for(self.args, *active_sources())
         plugin = ZeroPlugin(config)
+        plugin.trainer_managed = True  # the Trainer accumulates and clips itself
+        self._zero_sections = plugin.config  # its DeepSpeed optimizer/scheduler sections
         # The Trainer builds `Accelerator(**args)` inline; swap the class for that one call.
         original = trainer_module.Accelerator
         trainer_module.Accelerator = functools.partial(ZeroAccelerator, zero_plugin=plugin)
@@ -154,6 +186,81 @@ class ZeroTrainerMixin:
             super().create_accelerator_and_postprocess()
         finally:
             trainer_module.Accelerator = original
+
+    # --- the config's DeepSpeed optimizer and scheduler sections ------------------------------
+    def _section(self, name: str) -> dict | None:
+        return getattr(getattr(self, "_zero_sections", None), name, None)
+
+    def _info(self, message: str, *args) -> None:
+        if self.args.process_index == 0:
+            logger.info(message, *args)
+
+    def _warn_sections_overridden(self) -> None:
+        # transformers' DeepSpeed integration would drop the objects passed to the Trainer; an
+        # object passed in code is the more deliberate choice, so it wins, with a warning.
+        passed = {
+            "optimizer": self.optimizer is not None or self._optimizer_cls_given(),
+            "scheduler": self.lr_scheduler is not None,
+        }
+        for name, given in passed.items():
+            if given and self._section(name) is not None and self.args.process_index == 0:
+                logger.warning(
+                    "hf_zero: the zero config's '%s' section is overridden by the %s passed "
+                    "to the Trainer",
+                    name,
+                    name,
+                )
+
+    def _optimizer_cls_given(self) -> bool:
+        return getattr(self, "optimizer_cls_and_kwargs", None) is not None
+
+    def _warn_differences(self, name: str, values: dict, keys) -> None:
+        # Explicit values that differ from the Trainer's arguments win (transformers' DeepSpeed
+        # integration raises instead), so say that the run does not follow those arguments.
+        params = self._section(name).get("params") or {}
+        differ = [
+            f"{name}.params.{k} = {params[k]!r} (Trainer: {values[k]!r})"
+            for k in keys
+            if params.get(k, AUTO) != AUTO and _differs(params[k], values.get(k))
+        ]
+        if differ and self.args.process_index == 0:
+            logger.warning("hf_zero: the zero config wins over the Trainer's arguments: %s", differ)
+
+    def create_optimizer(self, model=None):
+        section = self._section("optimizer")
+        if section is None or self.optimizer is not None or self._optimizer_cls_given():
+            return super().create_optimizer(model)
+        values = trainer_values(self.args)
+        cls, kwargs = optimizer_spec(section, values)
+        self._warn_differences("optimizer", values, ("lr", "betas", "eps", "weight_decay"))
+        # The Trainer's usual groups: no weight decay on biases and norms.
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": kwargs["weight_decay"]},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        self.optimizer = cls(groups, **kwargs)
+        self._info("hf_zero: optimizer %s %s from the zero config", cls.__name__, kwargs)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        section = self._section("scheduler")
+        if section is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        values = trainer_values(self.args, num_training_steps)
+        keys = ["warmup_max_lr", "total_num_steps"]
+        if self.args.get_warmup_steps(num_training_steps) > 0:  # else no warm-up was asked for
+            keys.append("warmup_num_steps")
+        self._warn_differences("scheduler", values, keys)
+        optimizer = self.optimizer if optimizer is None else optimizer
+        self.lr_scheduler = build_scheduler(optimizer, section, values)
+        self._created_lr_scheduler = True  # re-created by the next train(), as the Trainer does
+        self._info(
+            "hf_zero: scheduler %s %s from the zero config", section["type"], section.get("params")
+        )
+        return self.lr_scheduler
 
     # --- saving ------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -164,6 +271,10 @@ class ZeroTrainerMixin:
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             model = self.accelerator.unwrap_model(self.model)
+            if hasattr(model, "peft_config"):  # how the base was quantized, for reloading
+                from hf_zero.integrations.reload import save_training_record
+
+                save_training_record(self.engine, model, output_dir, state_dict)
             model.save_pretrained(output_dir, state_dict=state_dict)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -191,7 +302,7 @@ class ZeroTrainerMixin:
             steps = self.state.global_step - self._steps_logged
             comm = engine.comm_stats.bytes()
             if steps > 0:
-                logs["comm_MB_per_step"] = round(
+                logs["comm_MiB_per_step"] = round(
                     (comm - self._comm_bytes_logged) / steps / 2**20, 3
                 )
             self._comm_bytes_logged, self._steps_logged = comm, self.state.global_step
@@ -203,8 +314,40 @@ class ZeroTrainerMixin:
                 logs["loss_scale"] = engine.loss_scale
             for kind, nbytes in engine.memory_report().items():
                 if nbytes:
-                    logs[f"mem_MB_{kind}"] = round(nbytes / 2**20, 3)
+                    logs[f"mem_MiB_{kind}"] = round(nbytes / 2**20, 3)
         super().log(logs, start_time)
+
+    # --- parameter counts (ZeRO-3: p.numel() is 0 for a released parameter) ------------------
+    def train(self, *args, **kwargs):
+        # The "Number of trainable parameters" line comes from transformers.trainer's
+        # get_model_param_count, which reads the whole size (ds_numel) only under DeepSpeed.
+        original = trainer_module.get_model_param_count
+        trainer_module.get_model_param_count = _whole_param_count
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            trainer_module.get_model_param_count = original
+
+    def floating_point_ops(self, inputs) -> int:
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if (
+            self.engine is None
+            or main_input not in inputs
+            or not hasattr(self.model, "num_parameters")
+        ):
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main_input].numel() * num_parameters(self.model, exclude_embeddings=True)
+
+
+def _differs(ours, theirs) -> bool:
+    if isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        return [float(x) for x in ours] != [float(x) for x in theirs]
+    return theirs is not None and ours != theirs
+
+
+def _whole_param_count(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """``transformers.trainer_pt_utils.get_model_param_count``, counting ZeRO-3 parameters whole."""
+    return num_parameters(model, only_trainable=trainable_only)
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):

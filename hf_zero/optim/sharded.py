@@ -71,35 +71,6 @@ def check_elementwise(optimizer: torch.optim.Optimizer, allow_untested: bool) ->
         )
 
 
-OPTIMIZER_TYPES = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
-}
-
-
-def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
-    """Build an optimizer from a DeepSpeed-style ``{"type": ..., "params": {...}}`` section."""
-    kind = str(spec.get("type", "")).lower()
-    if kind not in OPTIMIZER_TYPES:
-        raise ValueError(
-            f"zero config: 'optimizer.type' = {spec.get('type')!r}; allowed: "
-            + ", ".join(c.__name__ for c in OPTIMIZER_TYPES.values())
-        )
-    kwargs = dict(spec.get("params", {}))
-    auto = [k for k, v in kwargs.items() if v == "auto"]
-    if auto:
-        raise ValueError(
-            f"zero config: 'optimizer.params' has unresolved 'auto' values for {auto}; "
-            "pass them explicitly or let the Trainer integration resolve them"
-        )
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return OPTIMIZER_TYPES[kind](params, **kwargs)
-
-
 def shard_optimizer_state(state: dict, groups: list[FlatParamGroup]) -> defaultdict:
     """Re-key per-parameter optimizer state onto each group's flat master shard.
 

@@ -1,19 +1,23 @@
-"""A plain transformers training script: no hf_zero import anywhere.
+"""A plain transformers training script: no hf_zero import anywhere, no device settings.
 
-    python stock_trainer.py --output_dir DIR [--subclass | --trl]
+    python stock_trainer.py --output_dir DIR [--subclass | --trl [--lora]] [TrainingArguments]
 
-Writes DIR/report_rank<R>.json: the Trainer class's MRO, whether hf_zero was imported, the
-element count of each parameter as the model exposes it mid-training, and the final logits of a
+Its arguments are parsed as the transformers examples parse theirs (``HfArgumentParser`` over
+``TrainingArguments``, or TRL's ``SFTConfig``), so every Trainer flag works and nothing is set
+that a user would not type. Writes DIR/report_rank<R>.json: the Trainer class's MRO, whether
+hf_zero was imported, the world size and main-process flag the Trainer saw, the element count of
+each parameter as the model exposes it mid-training, the log history and the final logits of a
 fixed probe (every rank computes them).
 """
 
-import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 from transformers import (
+    HfArgumentParser,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -21,6 +25,13 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+
+
+@dataclass
+class ScriptArguments:
+    subclass: bool = False
+    trl: bool = False
+    lora: bool = False
 
 
 def tokenizer():
@@ -41,11 +52,14 @@ class Report(TrainerCallback):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--subclass", action="store_true")
-    parser.add_argument("--trl", action="store_true")
-    args = parser.parse_args()
+    use_trl = "--trl" in sys.argv
+    if use_trl:
+        from trl import SFTConfig as Config
+    else:
+        Config = TrainingArguments
+    script, training_args = HfArgumentParser(
+        (ScriptArguments, Config)
+    ).parse_args_into_dataclasses()
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=128,
@@ -58,33 +72,30 @@ def main():
         pad_token_id=0,
     )
     model = LlamaForCausalLM(config)
-    common = dict(
-        output_dir=args.output_dir,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=2,
-        disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),
-    )
     ids = torch.randint(2, 96, (32, 16), generator=torch.Generator().manual_seed(1))
-    if args.trl:
+    if use_trl:
         from datasets import Dataset
-        from trl import SFTConfig, SFTTrainer
+        from trl import SFTTrainer
 
+        peft_config = None
+        if script.lora:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(
+                r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+            )
         text = ["".join(chr(int(i) + 30) for i in row) for row in ids]
         trainer = SFTTrainer(
             model=model,
-            args=SFTConfig(**common, max_length=32, dataset_text_field="text"),
+            args=training_args,
             train_dataset=Dataset.from_dict({"text": text}),
             processing_class=tokenizer(),
             callbacks=[Report()],
+            peft_config=peft_config,
         )
     else:
         cls = Trainer
-        if args.subclass:
+        if script.subclass:
 
             class MyTrainer(Trainer):
                 def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
@@ -92,21 +103,25 @@ def main():
 
             cls = MyTrainer
         data = [{"input_ids": row, "labels": row} for row in ids]
-        trainer = cls(model=model, args=TrainingArguments(**common), train_dataset=data)
+        trainer = cls(model=model, args=training_args, train_dataset=data)
         trainer.add_callback(Report())
     trainer.train()
-    trainer.save_model(args.output_dir)
+    trainer.save_model(training_args.output_dir)
+    model = trainer.model
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=ids[:2].to(trainer.args.device)).logits.float().cpu()
+        logits = model(input_ids=ids[:2].to(training_args.device)).logits.float().cpu()
     rank = int(os.environ.get("RANK", 0))
     report = {
         "mro": [c.__name__ for c in type(trainer).__mro__],
         "hf_zero_imported": "hf_zero" in sys.modules,
+        "world_size": training_args.world_size,
+        "is_world_process_zero": trainer.is_world_process_zero(),
         "sizes": Report.sizes,
+        "log_history": trainer.state.log_history,
         "logits": logits.tolist(),
     }
-    with open(os.path.join(args.output_dir, f"report_rank{rank}.json"), "w") as f:
+    with open(os.path.join(training_args.output_dir, f"report_rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
 

@@ -1,0 +1,44 @@
+"""Several CPU processes are one data-parallel group, whatever the script says.
+
+Accelerate and the Trainer treat processes started by ``accelerate launch`` / ``torchrun`` on a
+machine without a GPU as independent single processes unless ``use_cpu`` (Trainer),
+``cpu=True`` (Accelerator) or ``ACCELERATE_USE_CPU`` says otherwise. Each then reads the whole
+dataset and believes it is the main process, while hf_zero's engine shards over all of them:
+both ranks train on the same batches and write the same files. hf_zero therefore turns the CPU
+switch on itself whenever there is no CUDA device, exactly as a user typing ``--use_cpu`` would.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CPU_ENV = "ACCELERATE_USE_CPU"
+
+
+def no_gpu() -> bool:
+    """True when this process has no CUDA device to run on (hf_zero then computes on the CPU)."""
+    return not torch.cuda.is_available()
+
+
+def use_cpu_processes() -> None:
+    """Make every Accelerator / TrainingArguments built later in this process treat the
+    launched processes as one CPU group (``ACCELERATE_USE_CPU=true``), when there is no GPU."""
+    if no_gpu():
+        os.environ.setdefault(CPU_ENV, "true")
+
+
+def ensure_cpu_args(args) -> None:
+    """Give a ``TrainingArguments`` built without ``use_cpu`` the CPU switch when there is no GPU.
+
+    Call it before an Accelerator exists (the Trainer builds one in ``__init__``). When the
+    arguments already set their devices up without the switch, the set-up is redone at once
+    (transformers resets Accelerate's shared state when it does so).
+    """
+    if not no_gpu() or args.use_cpu or os.environ.get(CPU_ENV, "").lower() in ("1", "true"):
+        return  # already one CPU group (the user's flag, or `use_cpu_processes`)
+    args.use_cpu = True
+    args.dataloader_pin_memory = False  # as TrainingArguments does for use_cpu
+    if args.__dict__.pop("_setup_devices", None) is not None:  # functools.cached_property
+        _ = args.device

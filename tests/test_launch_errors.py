@@ -1,0 +1,103 @@
+"""A mistake in the arguments or the config is one line, printed once, before any model exists.
+
+Launched as users launch (two CPU processes under ``accelerate launch``): the message appears
+exactly once on stderr, no rank prints a traceback, and the exit status is non-zero. What remains
+is the launcher's own summary of the failed processes (torchrun's, not ours).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+CPU_2PROC = str(ROOT / "configs/accelerate/cpu_2proc.yaml")
+LORA = str(ROOT / "recipes/finetune_lora.py")
+STOCK = str(ROOT / "tests/scripts/stock_trainer.py")
+
+
+def _launch(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "HF_ZERO_CONFIG"}
+    return subprocess.run(
+        [*LAUNCH, "--config_file", CPU_2PROC, *args],
+        env={**base, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+def _files(tmp_path: Path) -> dict[str, str]:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("stage: 3\nprecision: [bf16\n")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("stage: 3\nreduce_bucket: 100\n")
+    return {"bad_yaml": str(bad_yaml), "typo": str(typo), "missing": str(tmp_path / "nope.json")}
+
+
+CASES = {
+    "stage 5": (["--zero_stage", "5"], "'stage' = 5 is not allowed; expected one of 0, 1, 2, 3"),
+    "stage three": (["--zero_stage", "three"], "invalid int value: 'three'"),
+    "missing file": (["--zero_config", "{missing}"], "nope.json' does not exist"),
+    "yaml syntax": (["--zero_config", "{bad_yaml}"], "bad.yaml:3:1: not valid YAML"),
+    "typo key": (["--zero_config", "{typo}"], "did you mean 'reduce_bucket_size'?"),
+    "tp_size 3 on 2 processes": (["--tp_size", "3"], "'tp_size' = 3 must divide the number"),
+    "model path": (["--model_name_or_path", "./no-such-model"], "'./no-such-model' is not a dir"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_recipe_mistakes_are_one_line_once(tmp_path, case):
+    args, message = CASES[case]
+    args = [a.format(**_files(tmp_path)) for a in args]
+    done = _launch([LORA, "--output_dir", str(tmp_path / "out"), *args])
+    assert done.returncode != 0
+    assert done.stderr.count(message) == 1, done.stderr[-4000:]
+    assert 'finetune_lora.py", line' not in done.stderr, "a rank printed a traceback"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["stage 5", "yaml syntax", "tp_size 3 on 2 processes"])
+def test_hf_zero_run_mistakes_are_one_line_once(tmp_path, case):
+    args, message = CASES[case]
+    args = [a.format(**_files(tmp_path)) for a in args]
+    done = _launch(["-m", "hf_zero.run", STOCK, "--output_dir", str(tmp_path / "out"), *args])
+    assert done.returncode != 0
+    assert done.stderr.count(message) == 1, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr.split("failed (exitcode")[0], done.stderr[-4000:]
+
+
+def test_hf_zero_config_mistake_under_autoload_is_one_line_once(tmp_path):
+    from hf_zero.cli import main as cli
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
+    assert cli(["autoload", "on", "--site-dir", str(site_dir)]) == 0
+    env = {"HF_ZERO_CONFIG": _files(tmp_path)["typo"], "PYTHONPATH": str(site_dir)}
+    done = _launch([STOCK, "--output_dir", str(tmp_path / "out")], env=env)
+    assert done.returncode != 0
+    assert done.stderr.count("did you mean 'reduce_bucket_size'?") == 1, done.stderr[-4000:]
+    assert "(from HF_ZERO_CONFIG=" in done.stderr
+
+
+def test_flags_that_reach_no_trainer_or_accelerator_fail_saying_so(tmp_path):
+    script = tmp_path / "bare.py"
+    script.write_text("print('a script without a Trainer or an Accelerator')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_zero.run", str(script), "--zero_stage", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "--zero_stage 3 were given, but" in done.stderr and "hf_zero never ran" in done.stderr
+    assert "a script without" in done.stdout
+    plain = subprocess.run(
+        [sys.executable, "-m", "hf_zero.run", str(script)], capture_output=True, timeout=120
+    )
+    assert plain.returncode == 0  # no flags: nothing was promised

@@ -1,0 +1,226 @@
+"""LoRA results reload as trained: the base recorded in adapter_config.json, MixZ++'s quantization
+replayed by `hf_zero.load_for_inference`, and `hf-zero consolidate` of Trainer checkpoint-N dirs.
+
+Measured on this machine (2 CPU ranks, fp32, the quick start's 150 steps): the trained model's
+probe logits (rank 0, in the training process) and `load_for_inference`'s are bit-identical
+(difference 0.0); the adapter on the unquantized base is 0.0605 of the logits' norm away (max
+|difference| 1.11), against a 1.30 change the adapter makes. Bounds: 1e-5 for the replay (other
+devices may round differently), 0.075 for the unquantized base.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import build_model, rel_diff, train_on_corpus
+
+import hf_zero
+from hf_zero.consolidate import consolidate
+from hf_zero.testing import run_distributed
+from hf_zero.tiny import tiny_llama, tiny_tokenizer, token_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_START = [
+    "--zero_stage",
+    "3",
+    "--max_steps",
+    "150",
+    "--learning_rate",
+    "1e-2",
+    "--per_device_train_batch_size",
+    "8",
+    "--logging_steps",
+    "25",
+    "--report_to",
+    "none",
+    "--disable_tqdm",
+    "true",
+]  # fmt: skip  (the Makefile's `make train`, plus checkpoints below)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+
+def _launch(recipe: str, *flags: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "recipes"))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [str(ROOT / "configs/accelerate/cpu_2proc.yaml"), str(ROOT / "recipes" / recipe)]
+    done = subprocess.run(
+        [*cmd, *flags], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _probe(model) -> torch.Tensor:
+    from recipe_utils import probe_logits
+
+    return probe_logits(model, tiny_tokenizer(), "cpu")
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory) -> Path:
+    """`make train` (150 steps, MixZ++ on by default), with checkpoints at steps 75 and 150."""
+    out = tmp_path_factory.mktemp("quick_start") / "lora-zero3"
+    _launch(
+        "finetune_lora.py", *QUICK_START, "--output_dir", str(out),
+        "--save_strategy", "steps", "--save_steps", "75",
+    )  # fmt: skip
+    return out
+
+
+def test_adapter_config_names_a_base_that_loads(quick_start):
+    from peft import PeftModel
+    from recipe_utils import load_model_and_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    for directory in (quick_start, quick_start / "checkpoint-150"):
+        config = json.loads((directory / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(quick_start / "base_model")
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    # The embedded base at the Trainer's seed (42), as the run built it: exactly.
+    expected = load_model_and_tokenizer(None, seed=42)[0].state_dict()
+    got = base.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    PeftModel.from_pretrained(base, quick_start)  # loads out of the box
+
+
+def test_load_for_inference_reproduces_the_trained_logits(quick_start):
+    trained = torch.load(quick_start / "probe_logits.pt")
+    record = json.loads((quick_start / "hf_zero_training.json").read_text())
+    assert record["quantized_nontrainable_weights"] and record["dp_world_size"] == 2
+    model = hf_zero.load_for_inference(None, quick_start)
+    assert not model.training
+    replayed = _probe(model)
+    assert rel_diff(replayed, trained) < 1e-5, rel_diff(replayed, trained)  # measured: 0.0
+    # The adapter on the unquantized base: a different model (measured 0.0605; docs say 6.0%).
+    plain = _probe(hf_zero.load_for_inference(None, quick_start, quantized=False))
+    assert 0.01 < rel_diff(plain, trained) < 0.075, rel_diff(plain, trained)
+
+
+def test_load_for_inference_finds_the_base_of_a_moved_output_dir(quick_start, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(quick_start, moved, ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone" / "base_model")
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    trained = torch.load(quick_start / "probe_logits.pt")
+    assert rel_diff(_probe(hf_zero.load_for_inference(None, moved)), trained) < 1e-5
+
+
+def test_load_for_inference_refuses_a_different_base(quick_start):
+    with pytest.raises(ValueError, match=r"differ from the ones the adapter .* was trained on"):
+        hf_zero.load_for_inference(
+            tiny_llama(0, vocab_size=258, initializer_range=0.3), quick_start
+        )
+
+
+def test_consolidate_a_lora_trainer_checkpoint(quick_start, tmp_path, capsys):
+    from hf_zero.cli import main
+
+    checkpoint = quick_start / "checkpoint-150"
+    with pytest.raises(ValueError, match=r"PEFT model's parameters .* Use --adapter-only"):
+        consolidate(checkpoint, tmp_path / "full")
+    assert main(["consolidate", str(checkpoint), str(tmp_path / "full")]) == 2
+    assert "--adapter-only" in capsys.readouterr().err
+    assert not (tmp_path / "full").exists()
+
+    out = tmp_path / "adapter"
+    assert main(["consolidate", str(checkpoint), str(out), "--adapter-only"]) == 0
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    PeftModel.from_pretrained(base, out)
+    # Step 150 is the end of the run: the consolidated adapter is the trained model.
+    trained = torch.load(quick_start / "probe_logits.pt")
+    assert rel_diff(_probe(hf_zero.load_for_inference(None, out)), trained) < 1e-5
+
+
+def test_consolidate_a_full_trainer_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    _launch(
+        "finetune_full.py", "--zero_stage", "3", "--output_dir", str(out),
+        "--max_steps", "4", "--learning_rate", "3e-3", "--per_device_train_batch_size", "8",
+        "--save_strategy", "steps", "--save_steps", "4", "--report_to", "none",
+    )  # fmt: skip
+    files = consolidate(out / "checkpoint-4", tmp_path / "consolidated")
+    assert {f.name for f in files} >= {"model.safetensors", "config.json"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")
+    trained = torch.load(out / "probe_logits.pt")
+    assert rel_diff(_probe(model), trained) < 1e-5
+
+
+def _full_with_frozen(directory: str) -> dict:
+    model = build_model()  # one frozen norm: not in the engine checkpoint
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=1e-2), stage=2)
+    train_on_corpus(engine, 2, seq_len=16, batch_size=2)
+    engine.save_checkpoint(f"{directory}/zero")
+    state = engine.full_state_dict()
+    if dist.get_rank() == 0:
+        model.save_pretrained(directory, state_dict=dict(state))  # it empties the dict
+    dist.barrier()
+    return state
+
+
+def test_consolidate_takes_frozen_parameters_from_the_saved_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "checkpoint-2"
+    state = run_distributed(_full_with_frozen, 2, args=(str(ckpt),))[0]
+    consolidate(ckpt, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def _train_int4_bf16(out_dir: str) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from hf_zero.integrations.reload import save_training_record
+
+    base = tiny_llama(0, initializer_range=0.3)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(trainable, lr=1e-2),
+        stage=3,
+        precision="bf16",
+        quantized_nontrainable_weights=True,
+        quantized_weights_bits=4,
+        quantization_block_size=96,  # blocks that do not divide the shards: padded last blocks
+    )
+    train_on_corpus(engine, 5)
+    probe = next(token_batches(64, 1, 0, 1, seed=123))
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits.float().cpu()
+    state = engine.full_state_dict()
+    if dist.get_rank() == 0:
+        save_training_record(engine, model, out_dir, state)
+        model.save_pretrained(out_dir, state_dict=state)
+    dist.barrier()
+    return {"logits": logits, "probe": probe}
+
+
+def test_load_for_inference_replays_int4_in_bf16(tmp_path):
+    r = run_distributed(_train_int4_bf16, 2, args=(str(tmp_path),))[0]
+    base = tiny_llama(0, initializer_range=0.3)
+    model = hf_zero.load_for_inference(base, tmp_path)  # dtype "auto": bf16, as trained
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        replayed = model(input_ids=r["probe"]).logits.float()
+    assert rel_diff(replayed, r["logits"]) < 1e-5, rel_diff(replayed, r["logits"])
+    plain = hf_zero.load_for_inference(tiny_llama(0, initializer_range=0.3), tmp_path, False)
+    with torch.no_grad():
+        unquantized = plain(input_ids=r["probe"]).logits.float()
+    assert rel_diff(unquantized, r["logits"]) > 1e-3  # INT4 moved the base: replay matters
