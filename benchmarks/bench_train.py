@@ -11,9 +11,10 @@ the median step time (forward + backward + optimizer step, first step excluded) 
 hf_zero at the same stage, the peak resident memory it added per rank, the bytes its collectives
 moved per step, and its final loss relative to DDP's.
 
-Bytes: every ``torch.distributed`` collective called from Python is counted here with the ZeRO
-paper's convention (all-reduce 2M, all-gather and reduce-scatter M, broadcast M); DDP's reducer
-runs in C++, so its row shows the all-reduce formula (2 x gradient bytes) and says so. Memory:
+Bytes: what each rank sends on the wire per step, counted here for every ``torch.distributed``
+call made from Python (collectives and point-to-point sends) by the algorithm it uses on N ranks
+(ring all-reduce 2(N-1)/N of the buffer, reduce-scatter / all-gather (N-1)/N, a send its
+tensor); DDP's reducer runs in C++, so its row shows the ring all-reduce formula and says so. Memory:
 the process's peak resident set (max over ranks, includes the ~0.4 GB of imported libraries) and
 its growth from before the model is built (activations and allocator slack included); ``model state`` is hf_zero's
 ``memory_report()`` against the ZeRO formula (`hf_zero.memory`). DeepSpeed rows need ``deepspeed``
@@ -37,16 +38,22 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 # --- communication counter ------------------------------------------------------------------------
+# Bytes this rank sends on the wire, by the algorithm each call uses on N ranks: a ring all-reduce
+# 2(N-1)/N of the buffer, a reduce-scatter / all-gather (N-1)/N of the full buffer, a point-to-point
+# send its tensor (a receive sends nothing). M is the largest tensor argument.
+_RING = lambda m, n: (n - 1) * m // n  # noqa: E731
 COUNTED = {
-    "all_reduce": 2,
-    "all_gather_into_tensor": 1,
-    "all_gather_single": 1,
-    "reduce_scatter_tensor": 1,
-    "reduce_scatter_single": 1,
-    "broadcast": 1,
-    "all_to_all_single": 1,
-    "all_gather": 1,
-    "reduce_scatter": 1,
+    "all_reduce": lambda m, n: 2 * (n - 1) * m // n,
+    "all_gather_into_tensor": _RING,
+    "all_gather_single": _RING,
+    "reduce_scatter_tensor": _RING,
+    "reduce_scatter_single": _RING,
+    "broadcast": _RING,  # gloo/NCCL pipeline it as a ring: about (N-1)/N per rank on average
+    "all_to_all_single": _RING,
+    "all_gather": _RING,
+    "reduce_scatter": _RING,
+    "isend": lambda m, n: m,
+    "send": lambda m, n: m,
 }
 
 
@@ -61,21 +68,24 @@ class CommCounter:
     def install(self) -> None:
         """Patch ``torch.distributed`` and ``distributed_c10d`` (libraries call either); must run
         before the systems under test import, since some bind the functions at import time."""
-        for name, factor in COUNTED.items():
+        for name, wire in COUNTED.items():
             original = getattr(c10d, name, None) or getattr(dist, name, None)
             if original is None:
                 continue
-            wrapped = self._wrap(original, factor)
+            wrapped = self._wrap(original, wire)
             for namespace in (dist, c10d):
                 if getattr(namespace, name, None) is original:
                     setattr(namespace, name, wrapped)
 
-    def _wrap(self, fn: Callable, factor: int) -> Callable:
+    def _wrap(self, fn: Callable, wire: Callable[[int, int], int]) -> Callable:
         def counted(*args, **kwargs):
             if self._depth == 0:
                 values = [*args[:2], *kwargs.values()]  # DeepSpeed passes tensors by keyword
                 sizes = [_nbytes(v) for v in values]
-                self.bytes += factor * max(sizes, default=0)
+                group = kwargs.get("group") or next(
+                    (a for a in args[2:] if isinstance(a, dist.ProcessGroup)), None
+                )
+                self.bytes += wire(max(sizes, default=0), dist.get_world_size(group))
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -143,7 +153,7 @@ def make_ddp(args) -> Run:
         lm_loss(ddp),
         lambda loss: loss.backward(),
         lambda: (opt.step(), opt.zero_grad(set_to_none=True)),
-        formula_bytes=2 * grad_bytes,
+        formula_bytes=2 * (dist.get_world_size() - 1) * grad_bytes // dist.get_world_size(),
     )
 
 
@@ -158,7 +168,10 @@ def make_zero_redundancy(args) -> Run:
         lm_loss(ddp),
         lambda loss: loss.backward(),
         lambda: (opt.step(), opt.zero_grad(set_to_none=True)),
-        formula_bytes=2 * grad_bytes,  # DDP's all-reduce; the broadcasts are counted on top
+        formula_bytes=2
+        * (dist.get_world_size() - 1)
+        * grad_bytes
+        // dist.get_world_size(),  # DDP's all-reduce; the broadcasts are counted on top
     )
 
 
@@ -414,7 +427,7 @@ def report(args, world, table, results, skipped) -> None:
     )
     print(
         "| system | step (s) | vs hf_zero same stage | peak RSS per rank (MB) | added by the run "
-        "(MB) | comm MB/step | final loss vs DDP | model state vs formula |"
+        "(MB) | wire MB/step per rank | final loss vs DDP | model state vs formula |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
@@ -430,7 +443,7 @@ def report(args, world, table, results, skipped) -> None:
         )
     for name, why in skipped.items():
         print(f"| {name} | skipped: {why} ||||||")
-    print("\n* DDP's all-reduce runs in C++: counted by formula (2 x gradient bytes).")
+    print("\n* DDP's all-reduce runs in C++: counted by formula (2(N-1)/N x gradient bytes).")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.json").write_text(

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 if TYPE_CHECKING:
@@ -67,12 +66,12 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    _barrier(engine)
     topo = engine.topology
     _write_safetensors(
         _rank_tensors(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
     )
-    dist.barrier()  # every shard is on disk; a rank that died never gets past here
+    _barrier(engine)  # every shard is on disk; a rank that died never gets past here
     if rank == 0:
         _write_text(tmp / META, json.dumps(_meta(engine), indent=1))
         _write_text(tmp / MARKER, time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -86,7 +85,12 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             _rotate(directory, keep_last)
-    dist.barrier()
+    _barrier(engine)
+
+
+def _barrier(engine: ZeroEngine) -> None:
+    """Every rank of the world is here (booked in ``engine.comm_stats`` as control traffic)."""
+    engine.comm.for_purpose("control").barrier(engine.topology.world)
 
 
 def _rank_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:

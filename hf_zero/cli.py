@@ -127,11 +127,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.trainable_params is not None:
         frozen = shape.params - int(float(args.trainable_params))
     gib = 2**30
+    gas = args.gradient_accumulation_steps
     print(
         f"{shape.params:,} parameters ({shape.tp_split_params:,} split by AutoTP), "
         f"{args.dp} data-parallel x {args.tp} tensor-parallel ranks, {args.precision}, Adam"
         + (f", {frozen:,} frozen" + (" as INT8 (MixZ++)" if args.mixz else "") if frozen else "")
         + (f", hpZ {args.hpz}" if args.hpz > 1 else "")
+        + (f", {gas} micro-batches per step" if gas > 1 else "")
     )
     print(
         f"{'stage':>5} {'offload':>8} {'device GiB':>11} {'host GiB':>9} {'+ working set':>14} "
@@ -143,13 +145,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                 continue
             m = estimate(
                 shape, args.dp, stage, args.precision, offload, args.tp,
-                args.hpz, frozen, args.mixz,
+                args.hpz, frozen, args.mixz, gradient_accumulation_steps=gas,
             )  # fmt: skip
             work = working_set_bytes(shape, stage, args.precision, args.tp)
             print(
                 f"{stage:>5} {offload!s:>8} {m['total'] / gib:>11.2f} "
                 f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} "
-                f"{formula(stage, args.precision, offload):>12} {PAPER_FORMULA[stage]:>11}"
+                f"{formula(stage, args.precision, offload, gas):>12} {PAPER_FORMULA[stage]:>11}"
             )
     if shape.hidden:
         for ckpt in (False, True):
@@ -258,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixz", action="store_true", help="frozen weights as INT8 shards")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches per step (> 1: stages 2-3 keep an fp32 gradient shard in the window)",
+    )
     p.set_defaults(func=_cmd_estimate)
     p = sub.add_parser("run", help="run an unmodified Trainer script with hf_zero")
     p.add_argument("script", help="the training script")

@@ -219,6 +219,7 @@ KEYS: dict[str, Fate] = {
     "zero_optimization.offload_optimizer.ratio": Fate(
         REFUSED, "partial offload is not implemented; offload all (1.0) or none", _not(1.0)
     ),
+    "zero_optimization.offload_optimizer.fast_kernel": _h("offload_optimizer_fast_kernel", False),
     "zero_optimization.offload_optimizer.buffer_count": Fate(NO_EFFECT, "NVMe only"),
     "zero_optimization.offload_optimizer.fast_init": Fate(NO_EFFECT, "NVMe only"),
     "zero_optimization.offload_optimizer.nvme_path": Fate(NO_EFFECT, "NVMe only"),

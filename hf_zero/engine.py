@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from hf_zero import checkpoint
-from hf_zero.comm import Collectives, CommStats, ZeroPPSettings
+from hf_zero.comm import Collectives, CommStats
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
 from hf_zero.optim.deepspeed_schedules import scheduler_from_config
-from hf_zero.partition import bucket_params
-from hf_zero.partitioned_init import unshard
-from hf_zero.precision import DTYPES, LossScaler, dtype_of
+from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
-from hf_zero.stage3 import Unit, Zero3Coordinator, assign_params_to_units, find_units, gathered
+from hf_zero.stage3 import Zero3Coordinator, gathered
 from hf_zero.stage3_state_dict import StateDictHooks, mark_whole_shapes
-from hf_zero.topology import Group, Topology, current_device, init_distributed
-from hf_zero.tp import PRESETS, TensorParallel, gather_full, resolve_plan
+from hf_zero.topology import Topology, current_device, hpz_size
+from hf_zero.tp import PRESETS, TensorParallel, resolve_plan
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +92,11 @@ class ZeroEngine:
         if lr_scheduler is None and config.scheduler is not None:
             lr_scheduler = scheduler_from_config(optimizer, config)
 
-        self.topology = Topology.build(config.tp_size, config.node_size, _hpz_size(config))
+        hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
+        self.topology = Topology.build(config.tp_size, config.node_size, hpz)
         self.device = current_device()
-        self.comm = Collectives()
-        self.zeropp = self._zeropp_settings()
+        self.comm = Collectives(native_collectives=config.native_collectives)
+        self.zeropp = zeropp_settings(config, self.topology)
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         config.resolve_auto(hidden_size=hidden, world_size=self.topology.dp_size)
         config.check_batch_sizes(self.topology.dp_size)
@@ -110,8 +108,16 @@ class ZeroEngine:
             self._apply_tensor_parallel(optimizer)
         self._broadcast_module()
 
-        self.groups = self._build_groups(optimizer)
-        self._log_quantization_padding()
+        builder = GroupBuilder(
+            model, config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split
+        )
+        self.groups = builder.build(optimizer)
+        self.units, self.frozen_groups, self._grouped = (
+            builder.units,
+            builder.frozen_groups,
+            builder.grouped,
+        )
+        log_quantization_padding(self.zeropp, self.groups + self.frozen_groups)
         self._cast_other_params()
         self.coordinator: Zero3Coordinator | None = None
         self.state_dict_hooks: StateDictHooks | None = None
@@ -123,10 +129,11 @@ class ZeroEngine:
                 prefetch_numel=config.prefetch_bucket_size,
                 max_live_numel=config.max_live_parameters,
                 check_execution_order=config.check_execution_order,
+                comm=self.comm,
             )
             mark_whole_shapes(self.groups + self.frozen_groups)
             self.state_dict_hooks = StateDictHooks(
-                self.module, self.units, self.topology.dp_control, self.tp
+                self.module, self.units, self.topology.dp_control, self.tp, self.comm
             )
         self.loss_scaler = LossScaler.from_config(config)
         self.reducer = GradientReducer(
@@ -135,6 +142,7 @@ class ZeroEngine:
             config.gradient_accumulation_steps,
             config.overlap_comm,
             control=self.topology.dp_control,
+            comm=self.comm,
         )
         self.reducer.on_backward_end = self._check_backward
         self.optimizer = ShardedOptimizer(
@@ -144,6 +152,7 @@ class ZeroEngine:
             self.topology.dp,
             self.loss_scaler,
             tp_group=self.topology.tp if self.tp is not None else None,
+            fast_kernel=config.offload_optimizer_fast_kernel,
         )
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
@@ -155,7 +164,8 @@ class ZeroEngine:
         """True when the last boundary step was skipped (fp16 overflow)."""
         self._clipped = False
         self._in_engine_backward = False
-        self.comm.stats.reset()  # start counting from the first training step
+        # Count from the first step; what set-up sent (broadcasts, AutoTP, regroup) is kept.
+        self.init_comm_stats: CommStats = self.comm.stats.reset()
         ZeroEngine.instances_created += 1
         if self.topology.rank == 0:
             # Printed, not logged: scripts often set warning-level logging, and this line is
@@ -210,11 +220,10 @@ class ZeroEngine:
                 f"({', '.join(PRESETS)})"
             )
         # Every rank must split the same full weights: rank 0's, as DDP starts from.
-        world = Group(None, tuple(range(self.topology.world_size)), self.topology.num_nodes > 1)
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                self.comm.broadcast(t.data, 0, world)
-        self.tp = TensorParallel(self.module, plan, self.topology.tp)
+                self.comm.broadcast(t.data, 0, self.topology.world)
+        self.tp = TensorParallel(self.module, plan, self.topology.tp, self.comm)
         self.tp.apply()
         for group in optimizer.param_groups:
             group["params"] = [self.tp.replaced.get(id(p), p) for p in group["params"]]
@@ -225,151 +234,6 @@ class ZeroEngine:
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 self.comm.broadcast(t.data, src, self.topology.dp)
-
-    def _build_groups(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:
-        names = {}
-        for name, p in self.module.named_parameters():
-            names.setdefault(id(p), name)
-        group_of = {}
-        for index, param_group in enumerate(optimizer.param_groups):
-            for p in param_group["params"]:
-                if id(p) not in names:
-                    raise ValueError(
-                        f"hf_zero: optimizer param group {index} holds a tensor of shape "
-                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
-                        "optimizer on model.parameters()"
-                    )
-                if id(p) in group_of:
-                    raise ValueError(
-                        f"hf_zero: parameter '{names[id(p)]}' appears in more than one "
-                        "optimizer param group"
-                    )
-                group_of[id(p)] = index
-        ordered = list(dict.fromkeys(self.module.parameters()))
-        left_out = [names[id(p)] for p in ordered if p.requires_grad and id(p) not in group_of]
-        if left_out:
-            warnings.warn(
-                f"hf_zero: {len(left_out)} trainable parameters are not in the optimizer and will "
-                f"not be updated or synchronised (first: {left_out[:3]})",
-                stacklevel=3,
-            )
-        trainable = [p for p in ordered if p.requires_grad and id(p) in group_of]
-        reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
-
-        def make(pg_index: int | None, params: list, stage: int) -> FlatParamGroup:
-            group = FlatParamGroup(
-                index=0,
-                param_group_index=pg_index,
-                names=[names[id(p)] for p in params],
-                params=params,
-                stage=stage,
-                dtype=self.dtype,
-                reduce_dtype=reduce_dtype,
-                shard_group=self.topology.dp,
-                rank=self.topology.rank,
-                comm=self.comm,
-                offload=pg_index is not None and self.config.offload_optimizer == "cpu",
-                zeropp=self.zeropp,
-            )
-            for p in params:
-                p._hf_zero_group = group  # found again by gathered_parameters()
-            group.tp_split = self._tp_split(params[0])
-            return group
-
-        self.units: list[Unit] = []
-        self.frozen_groups: list[FlatParamGroup] = []
-        if self.config.stage == 3:
-            threshold = self.config.param_persistence_threshold
-            replicated = [p for p in trainable if _numel(p) < threshold]
-            groups = self._build_units(ordered, group_of, threshold, make)
-        else:
-            for module in self.module.modules():
-                unshard(module)  # partitioned_init models are whole under stages 0-2
-            replicated, groups = trainable, []
-        # Gradients become ready roughly in reverse order of registration.
-        # Buckets never mix TP-split and replicated parameters (their norms add differently).
-        items = [((group_of[id(p)], self._tp_split(p)), p) for p in reversed(replicated)]
-        stage = min(self.config.stage, 2)
-        buckets = bucket_params(items, self.config.reduce_bucket_size)
-        groups += [make(key[0], params, stage) for key, params in buckets]
-        # Reductions launch in the order buckets complete: when their earliest parameter is done.
-        position = {id(p): i for i, p in enumerate(ordered)}
-        groups.sort(key=lambda g: -min(position[id(p)] for p in g.params))
-        for index, group in enumerate(groups):
-            group.index = index
-        self._grouped = {id(p) for g in groups + self.frozen_groups for p in g.params}
-        return groups
-
-    def _build_units(self, ordered, group_of, threshold, make) -> list[FlatParamGroup]:
-        """Stage 3: one sharded group per (unit, param group), plus one for frozen parameters."""
-        found = find_units(self.module, log=self.topology.rank == 0)
-        owner = assign_params_to_units(self.module, [m for _, m in found])
-        self.units = [Unit(i, name, m, is_root=i == 0) for i, (name, m) in enumerate(found)]
-        members: dict[int, dict[int | None, list]] = {}
-        for p in ordered:
-            if _numel(p) < threshold:
-                continue  # stays whole on every rank
-            pg = group_of.get(id(p)) if p.requires_grad else None
-            key = (pg, self._tp_split(p))
-            members.setdefault(owner[id(p)], {}).setdefault(key, []).append(p)
-        groups = []
-        for unit in self.units:
-            unshard(unit.module)  # a partitioned_init unit is whole only while it is regrouped
-            for (pg, _), params in members.get(unit.index, {}).items():
-                group = make(pg, params, 3)
-                unit.groups.append(group)
-                (groups if pg is not None else self.frozen_groups).append(group)
-        return groups
-
-    def _zeropp_settings(self) -> ZeroPPSettings:
-        """The ZeRO++ parts the config switches on, with the groups they run over."""
-        config, topo = self.config, self.topology
-        hpz = topo.hpz
-        if hpz is not None and hpz.spans_nodes:
-            logger.warning(
-                "hf_zero ZeRO++: 'hpz_partition_size' = %s is larger than the %s data-parallel "
-                "ranks of a node, so the backward gather still crosses nodes",
-                hpz.size,
-                topo.dp_intra_node.size,
-            )
-        if config.quantized_gradients and topo.dp_inter_node.size == 1:
-            logger.info(
-                "hf_zero ZeRO++: qgZ on a single node: one quantized all-to-all, no inter-node step"
-            )
-        return ZeroPPSettings(
-            quantized_weights=config.quantized_weights,
-            weight_bits=config.quantized_weights_bits,
-            hpz=hpz,
-            quantized_gradients=config.quantized_gradients,
-            gradient_bits=config.quantized_gradients_bits,
-            intra=topo.dp_intra_node,
-            inter=topo.dp_inter_node,
-            block_size=config.quantization_block_size,
-            error_feedback=config.quantized_gradients_error_feedback,
-            quantized_nontrainable_weights=config.quantized_nontrainable_weights,
-        )
-
-    def _log_quantization_padding(self) -> None:
-        """Say once when buffers are shorter than, or not a multiple of, a quantization block."""
-        zpp = self.zeropp
-        if not (
-            zpp.quantized_weights or zpp.quantized_gradients or zpp.quantized_nontrainable_weights
-        ):
-            return
-        block = zpp.block_size
-        shards = [g.layout.shard_numel for g in self.groups + self.frozen_groups]
-        short = sum(n < block for n in shards)
-        padded = sum(n >= block and n % block != 0 for n in shards)
-        if short or padded:
-            logger.info(
-                "hf_zero ZeRO++: of %d buckets, %d have shards shorter than "
-                "'quantization_block_size' = %d (they use one smaller block) and %d are padded "
-                "to whole blocks",
-                len(shards),
-                short,
-                block,
-                padded,
-            )
 
     def _tp_split(self, param: torch.Tensor) -> bool:
         return self.tp is not None and self.tp.shard_of(param) is not None
@@ -484,7 +348,8 @@ class ZeroEngine:
     # --- inspection --------------------------------------------------------------------------
     @property
     def comm_stats(self) -> CommStats:
-        """Bytes and calls per collective kind since initialisation (``.reset()`` to restart)."""
+        """Calls, wire and ZeRO-paper bytes per purpose and kind since initialisation (``.reset()``
+        to restart); `hf_zero.comm.stats`. ``init_comm_stats`` holds what initialisation sent."""
         return self.comm.stats
 
     @property
@@ -535,7 +400,7 @@ class ZeroEngine:
         def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
             shard = tp.shard_of(p) if tp is not None else None
             if shard is not None:
-                value = gather_full(value, shard, self.topology.tp)
+                value = tp.gather_full(value, shard)
             return value.to("cpu", copy=True) if keep else None
 
         values: dict[int, torch.Tensor] = {}
@@ -599,21 +464,5 @@ def gathered_parameters(params, modifier_rank: int | None = None) -> Iterator[No
                     group.publish_from(modifier_rank)
 
 
-def _numel(param: torch.Tensor) -> int:
-    """Elements of a parameter, including one `partitioned_init` left as a slice."""
-    slot = getattr(param, "_hf_zero_slot", None)
-    return slot[1].numel if slot is not None else param.numel()
-
-
 def _group_of(param: torch.Tensor) -> FlatParamGroup | None:
     return getattr(param, "_hf_zero_group", None)
-
-
-def _hpz_size(config: ZeroConfig) -> int:
-    """``hpz_partition_size`` as a number; ``"auto"`` is the data-parallel ranks of one node."""
-    if config.hpz_partition_size != "auto":
-        return config.hpz_partition_size
-    init_distributed()
-    world = torch.distributed.get_world_size()
-    node = config.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return max(1, node // config.tp_size)

@@ -9,14 +9,17 @@ What each stage keeps per rank (``N`` ranks, ``S = padded_numel / N``):
 =====  =====================================  ===============================  ==============
 stage  parameters                             gradients and their reduction    master (fp32)
 =====  =====================================  ===============================  ==============
-0      full ``flat_param`` (params are views)  full ``flat_grad``, all-reduce   whole buffer
+0      full ``flat_param`` (params are views)  full ``flat_grad``, all-reduced  whole buffer
+                                              in place
 1      full ``flat_param``                    full ``flat_grad``, reduce-       shard of ``S``
-                                              scatter at the boundary
-2      full ``flat_param``                    fp32 shard; reduce-scatter       shard of ``S``
-                                              every backward
+                                              scattered into its own region
+2      full ``flat_param``                    reduced shard (16-bit; fp32      shard of ``S``
+                                              across a window), every backward
 3      16-bit ``shard`` of ``S``; the full    as stage 2                       shard of ``S``
        buffer exists only while gathered
 =====  =====================================  ===============================  ==============
+
+The reduced gradient waits for the step in ``grads`` (`hf_zero.grad_store.GradStore`).
 
 A stage-3 group may be frozen (``trainable=False``): it is sharded and gathered like any other
 but has no master weights and no gradients.
@@ -52,6 +55,8 @@ from hf_zero.comm import (
     ZeroPPSettings,
     quantize_shard,
 )
+from hf_zero.grad_store import GradStore
+from hf_zero.memory import group_held_bytes
 from hf_zero.partition import FlatLayout
 from hf_zero.quant import Quantized
 from hf_zero.topology import Group
@@ -131,7 +136,8 @@ class FlatParamGroup:
             else:
                 master = full32[start:end].clone()
             self.master = torch.nn.Parameter(master, requires_grad=False)
-        self._pending_host_grad: tuple[torch.Tensor, object] | None = None
+        # The reduced gradient from its reduction to the step (see hf_zero.grad_store).
+        self.grads = GradStore(self.master, shard_group.size) if self.trainable else None
         self._staging: torch.Tensor | None = None  # offload: updated shard on its way to the device
         self._staged = False
         del full32
@@ -287,9 +293,17 @@ class FlatParamGroup:
                 p.grad = view
         else:
             if self._reduce_input is None:
-                self._reduce_input = self._new_zeros(self.layout.padded_numel, self.reduce_dtype)
+                # Not zero-filled: each slot's first gradient is copied in, and what no
+                # gradient reached is zeroed at launch (a memset and a read saved per bucket).
+                self._reduce_input = torch.empty(
+                    self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device
+                )
             slot = self.layout.slots[i]
-            self._reduce_input[slot.offset : slot.end].add_(p.grad.reshape(-1))
+            target = self._reduce_input[slot.offset : slot.end]
+            if self._ready[i]:
+                target.add_(p.grad.reshape(-1))  # a second use in this backward
+            else:
+                target.copy_(p.grad.reshape(-1))
             p.grad = None  # stages 2-3 never keep a full gradient beyond its bucket
         self.received = True
         if not self._ready[i]:
@@ -309,64 +323,70 @@ class FlatParamGroup:
         elif self._reduce_input is None:
             # No gradient reached this bucket on this rank; other ranks may have some.
             self._reduce_input = self._new_zeros(self.layout.padded_numel, self.reduce_dtype)
+        else:
+            self._zero_unfilled(self._reduce_input)
         if self._quantized_reduce is not None:
             self._quantized_reduce.launch(self._reduce_input, async_op=async_op)
             return
-        self._reduce_output = self._new_zeros(self.layout.shard_numel, self.reduce_dtype)
+        # Every element is written by the reduction: no zero fill.
+        self._reduce_output = torch.empty(
+            self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device
+        )
         self._work = self.comm.reduce_scatter(
             self._reduce_output, self._reduce_input, group, async_op=async_op
         )
 
-    def finish_reduce(self, received: bool = True) -> None:
-        """Wait for the reduction and fold the averaged shard into ``master.grad`` (fp32).
+    def _zero_unfilled(self, flat: torch.Tensor) -> None:
+        """Zero what no gradient was copied into this backward: padding and unused slots."""
+        end = 0
+        for slot, ready in sorted(zip(self.layout.slots, self._ready), key=lambda x: x[0].offset):
+            if ready:
+                flat[end : slot.offset].zero_()
+                end = slot.end
+        flat[end:].zero_()
 
-        ``received=False`` (no rank had a gradient for this bucket) leaves ``master.grad`` as it
-        is, so a bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
+    def finish_reduce(self, received: bool = True) -> None:
+        """Wait for the reduction and hand the summed gradient to ``grads`` (`GradStore`).
+
+        ``received=False`` (no rank had a gradient for this bucket) leaves it as it is, so a
+        bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
         """
         if self._quantized_reduce is not None:
             self._reduce_output = self._quantized_reduce.finish()
         elif self._work is not None:
             self._work.wait()
-        world = self.shard_group.size
         reduced = self._reduce_output
+        accumulate = self.stage >= 2  # stages 0-1 reduce a whole window's sum at once
+        in_place = self.stage == 1 and self._reduce_input is self.flat_grad
+        if in_place:
+            # Stage 1 keeps the sum in flat_grad's own region (no second gradient buffer) and
+            # zeroes the rest: a later synced backward before the step (DDP-style accumulation)
+            # adds to it, and the next reduction is again the exact total.
+            start, end = self.layout.shard_range(self.shard_index)
+            reduced = self.flat_grad[start:end].copy_(reduced)
+            self.flat_grad[:start].zero_()
+            self.flat_grad[end:].zero_()
         if not received:
             pass
         elif self.offload:
-            self.fold_host_grad()  # the previous micro-batch's copy, if still pending
             host = self._host_empty(reduced.numel())
             host.copy_(reduced, non_blocking=True)
             done = None
             if reduced.is_cuda:
                 done = torch.cuda.Event()
                 done.record()
-            self._pending_host_grad = (host, done)
-        elif self.stage == 0 and self.master_aliases_params:
-            reduced.div_(world)
-            self.master.grad = reduced
+            self.grads.fold_host(host, done, accumulate)
+        elif self.stage == 0 and reduced is self.flat_grad and reduced.dtype != torch.float32:
+            # 16-bit stage 0 reduced flat_grad itself: average it in place, as DDP does, so a
+            # later synced backward before the step (DDP-style accumulation) adds to an average
+            # and the next all-reduce is again the exact total.
+            self.grads.fold(reduced.div_(self.shard_group.size), False, averaged=True)
         else:
-            grad = reduced.to(torch.float32).div_(world)
-            if self.stage >= 2 and self.master.grad is not None:
-                self.master.grad.add_(grad)  # accumulate across micro-batches
-            else:
-                self.master.grad = grad
+            self.grads.fold(reduced, accumulate, average_now=not in_place)
         self._work = self._reduce_input = self._reduce_output = None
         self.reset_backward()
         self.launched = False
         self.received = False
-
-    def fold_host_grad(self) -> None:
-        """Offload: once a device-to-host gradient copy has landed, average and accumulate it."""
-        if self._pending_host_grad is None:
-            return
-        host, done = self._pending_host_grad
-        self._pending_host_grad = None
-        if done is not None:
-            done.synchronize()
-        grad = host.div_(self.shard_group.size)
-        if self.master.grad is None:
-            self.master.grad = grad
-        else:
-            self.master.grad.add_(grad)
 
     def reset_backward(self) -> None:
         """Forget readiness after a backward that did not reduce (stages 0-1 inside no_sync)."""
@@ -432,9 +452,8 @@ class FlatParamGroup:
         self._staging = None
 
     def zero_grad(self) -> None:
-        self._pending_host_grad = None
-        if self.master is not None:
-            self.master.grad = None
+        if self.grads is not None:
+            self.grads.clear()
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for p, view in zip(self.params, self._grad_views):
@@ -446,39 +465,7 @@ class FlatParamGroup:
     # --- inspection --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
         """Bytes this group holds now, by kind; ``host_*`` kinds are in host memory (offload)."""
-        params = _nbytes(self.flat_param) + _nbytes(self.shard) + _nbytes(self._staging)
-        grads = _nbytes(self.flat_grad)
-        master = self.master
-        master_grad = 0
-        if master is not None and master.grad is not None and master.grad is not self.flat_grad:
-            master_grad = _nbytes(master.grad)
-        if self._pending_host_grad is not None:
-            master_grad += _nbytes(self._pending_host_grad[0])
-        own_master = master is not None and not self.master_aliases_params
-        master_bytes = _nbytes(master) if own_master else 0
-        if self._quantized_reduce is not None:
-            grads += self._quantized_reduce.residual_bytes()  # qgZ error feedback
-        secondary = {}
-        if isinstance(self._secondary, Quantized):
-            secondary["secondary_params"] = self._secondary.nbytes
-        elif self._secondary is not None:
-            secondary["secondary_params"] = _nbytes(self._secondary)
-        if self.quantized_shard is not None:
-            secondary["quantized_params"] = self.quantized_shard.nbytes
-        if self.offload:
-            return {
-                **secondary,
-                "params": params,
-                "grads": grads,
-                "host_grads": master_grad,
-                "host_master_weights": master_bytes,
-            }
-        return {
-            **secondary,
-            "params": params,
-            "grads": grads + master_grad,
-            "master_weights": master_bytes,
-        }
+        return group_held_bytes(self)
 
     def full_master(self) -> torch.Tensor:
         """The whole fp32 master buffer, gathered across the shard group (collective)."""
@@ -498,7 +485,3 @@ class FlatParamGroup:
 
     def _new_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()

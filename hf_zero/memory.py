@@ -1,21 +1,36 @@
 """Per-rank model-state memory of each ZeRO stage: the formulas `memory_report()` is held to.
 
 For ``P`` trainable parameters on ``N`` data-parallel ranks with Adam (8 bytes of state per
-parameter), hf_zero holds, per rank:
+parameter), hf_zero holds, per rank, at the model-state peak (see "resident" below):
 
-=====  ==============  =================  ===================  ============
-stage  parameters      gradients          fp32 master weights  Adam state
-=====  ==============  =================  ===================  ============
-0      b P             b P + 4 P          4 P (0 in fp32)      8 P
-1      b P             b P + 4 P/N        4 P/N                8 P/N
-2      b P             4 P/N              4 P/N                8 P/N
-3      b P/N           4 P/N              4 P/N (0 in fp32)    8 P/N
-=====  ==============  =================  ===================  ============
+=====  ==============  ========================  ===================  ============  =============
+stage  parameters      gradients                 fp32 master weights  Adam state    bf16 total
+=====  ==============  ========================  ===================  ============  =============
+0      b P             b P                       4 P (0 in fp32)      8 P           16P
+1      b P             b P                       4 P/N                8 P/N         4P + 12P/N
+2      b P             b P/N  (4 P/N: see below)  4 P/N                8 P/N         2P + 14P/N
+3      b P/N           b P/N  (4 P/N: see below)  4 P/N (0 in fp32)    8 P/N         16P/N
+=====  ==============  ========================  ===================  ============  =============
 
-``b`` is the compute dtype's size (2 for bf16/fp16, 4 for fp32). Gradient shards are fp32 (the
-ZeRO paper assumes 16-bit gradients: 2P + 14P/N for stage 2 where hf_zero has 2P + 16P/N).
-With ``offload=True`` the gradient shard, master weights and Adam state are host memory. Padding
-(at most ``8 N`` elements per bucket) and small persistent parameters under stage 3 come on top.
+``b`` is the compute dtype's size (2 for bf16/fp16, 4 for fp32). For 16-bit training these are
+the ZeRO paper's formulas: gradients are held in 16 bits (stage 0: the gradient buffer all-reduced
+in place; stage 1: the reduced shard copied into the buffer's own region; stages 2-3: the reduced
+16-bit shard) and converted to fp32 one bucket at a time inside the optimizer step
+(`hf_zero.grad_store`). Kept on purpose, above the paper: with ``gradient_accumulation_steps``
+> 1, stages 2-3 sum the micro-batches of a window in an fp32 gradient shard (4 P/N instead of
+b P/N: exact accumulation) from the second micro-batch until the step.
+
+**Resident** means held by the rank's tensors (what `memory_report()` counts) at two points:
+*at the peak*, after the last backward of a step and before the optimizer step (the table), and
+*between steps*, after the step: stages 2-3 have freed their gradient shard then
+(``between_steps=True``); stages 0-1 keep their zeroed gradient buffer. Not resident, and not in
+these formulas: the step's transient fp32 copy of one bucket's gradient (4 bytes x the largest
+bucket shard), the optimizer's own temporaries, stage 3's gathered units (`working_set_bytes`),
+activations (`activation_bytes`) and allocator caches.
+
+With ``offload=True`` the master weights, Adam state and an fp32 gradient shard (4 P/N, as CPU
+Adam reads it; freed at the step) are host memory. Padding (at most ``8 N`` elements per bucket)
+and small persistent parameters under stage 3 come on top.
 """
 
 from __future__ import annotations
@@ -32,31 +47,35 @@ def model_state_bytes(
     precision: str = "bf16",
     offload: bool = False,
     optimizer_bytes_per_param: int = 8,
+    gradient_accumulation_steps: int = 1,
+    between_steps: bool = False,
 ) -> dict[str, float]:
-    """Estimated bytes per rank by kind, named as in `ZeroEngine.memory_report`."""
+    """Estimated bytes per rank by kind, named as in `ZeroEngine.memory_report`, at the
+    model-state peak (or, ``between_steps``, after the optimizer step)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage = {stage!r}; allowed: 0, 1, 2, 3")
     if precision not in BYTES:
         raise ValueError(f"precision = {precision!r}; allowed: {', '.join(BYTES)}")
     P, N, b = float(num_params), float(dp_size), BYTES[precision]
     shard = P if stage == 0 else P / N
+    # Stages 0-1: the whole gradient buffer, reduced in place. Stages 2-3: the reduced shard in
+    # the compute dtype; fp32 across an accumulation window (exact sums), none between steps.
+    shard_grad = (b if gradient_accumulation_steps == 1 else 4) * shard
+    grads = b * P if stage < 2 else (0.0 if between_steps else shard_grad)
     report = {
         "params": b * (P / N if stage == 3 else P),
-        "grads": b * P + 4 * shard if stage < 2 else 4 * shard,
+        "grads": grads,
         "master_weights": 0.0 if precision == "fp32" and stage in (0, 3) else 4 * shard,
         "optimizer_states": optimizer_bytes_per_param * shard,
     }
-    if stage == 0 and precision == "fp32":
-        report["grads"] = b * P  # the master gradient is the flat gradient itself
-    # Stage 0-1 gradients: the full 16-bit buffer plus the fp32 (shard) gradient after reduction.
     host = dict.fromkeys(("host_grads", "host_master_weights", "host_optimizer_states"), 0.0)
     if offload:
         if stage == 0:
             raise ValueError("offload needs stage 1, 2 or 3")
-        host["host_grads"] = 4 * shard
+        host["host_grads"] = 0.0 if between_steps else 4 * shard  # fp32, as CPU Adam reads it
         host["host_master_weights"] = 4 * shard
         host["host_optimizer_states"] = report["optimizer_states"]
-        report["grads"] -= 4 * shard
+        report["grads"] = b * P if stage < 2 else 0.0  # the device shard goes to the host
         report["master_weights"] = 0.0
         report["optimizer_states"] = 0.0
     report.update(host)
@@ -64,6 +83,37 @@ def model_state_bytes(
     report["total"] += report["optimizer_states"]
     report["host_total"] = sum(host.values())
     return report
+
+
+def group_held_bytes(group) -> dict[str, int]:
+    """What one `FlatParamGroup` holds now, by the kinds `memory_report()` sums: the measured
+    side of the formulas above. ``host_*`` kinds are in host memory (offload)."""
+    from hf_zero.quant import Quantized
+
+    params = _nbytes(group.flat_param) + _nbytes(group.shard) + _nbytes(group._staging)
+    grads = _nbytes(group.flat_grad)
+    master = group.master
+    master_grad = group.grads.held_bytes(group.flat_grad) if group.grads is not None else 0
+    own_master = master is not None and not group.master_aliases_params
+    master_bytes = _nbytes(master) if own_master else 0
+    if group._quantized_reduce is not None:
+        grads += group._quantized_reduce.residual_bytes()  # qgZ error feedback
+    extra = {}
+    if isinstance(group._secondary, Quantized):
+        extra["secondary_params"] = group._secondary.nbytes
+    elif group._secondary is not None:
+        extra["secondary_params"] = _nbytes(group._secondary)
+    if group.quantized_shard is not None:
+        extra["quantized_params"] = group.quantized_shard.nbytes
+    if group.offload:
+        kinds = {"grads": grads, "host_grads": master_grad, "host_master_weights": master_bytes}
+    else:
+        kinds = {"grads": grads + master_grad, "master_weights": master_bytes}
+    return {**extra, "params": params, **kinds}
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,11 +124,15 @@ PAPER_FORMULA = {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"}
 """The ZeRO paper's per-rank model states (mixed precision, Adam), for reference."""
 
 
-def formula(stage: int, precision: str = "bf16", offload: bool = False) -> str:
-    """hf_zero's device model states for ``stage`` as text (``"2P + 16P/N"``), read off
+def formula(
+    stage: int, precision: str = "bf16", offload: bool = False, gradient_accumulation_steps: int = 1
+) -> str:
+    """hf_zero's device model states for ``stage`` as text (``"2P + 14P/N"``), read off
     `model_state_bytes` itself so the two cannot disagree."""
-    one = model_state_bytes(1, 1, stage, precision, offload)["total"]
-    two = model_state_bytes(1, 2, stage, precision, offload)["total"]
+    gas = gradient_accumulation_steps
+    one = model_state_bytes(1, 1, stage, precision, offload, gradient_accumulation_steps=gas)
+    two = model_state_bytes(1, 2, stage, precision, offload, gradient_accumulation_steps=gas)
+    one, two = one["total"], two["total"]
     per_n = 2 * (one - two)  # total = a P + c P/N
     whole = one - per_n
     terms = [f"{whole:g}P"] if whole else []
@@ -87,13 +141,16 @@ def formula(stage: int, precision: str = "bf16", offload: bool = False) -> str:
 
 
 WHY_NOT_PAPER = (
-    "Why hf_zero's column is above the ZeRO paper's (16-bit gradients): each rank keeps its "
-    "reduced gradient shard in fp32 until the optimizer step, so micro-batches accumulate "
-    "exactly. Stages 2-3 hold it instead of a 16-bit shard (+2P/N), stage 1 next to the whole "
-    "16-bit gradient (+4P/N), stage 0 as an fp32 copy of the whole gradient (+4P). The paper's "
-    "formulas assume bf16/fp16; in fp32 compare against hf_zero's column only."
+    "hf_zero's column is the ZeRO paper's for bf16/fp16: gradients stay 16-bit until the optimizer "
+    "step converts one bucket at a time to fp32 (a transient of 4 bytes x the largest bucket "
+    "shard, not counted). Resident = held at the model-state peak, after the last backward and "
+    "before the step; between steps stages 2-3 hold no gradient shard (2P/N less). Kept on "
+    "purpose: with gradient accumulation (--gradient-accumulation-steps > 1) stages 2-3 sum "
+    "micro-batches in an fp32 gradient shard from the second micro-batch to the step (+2P/N, "
+    "exact accumulation); offload keeps that fp32 shard in host memory. The paper has no fp32 "
+    "column; in fp32 compare against hf_zero's only."
 )
-"""Why `formula` differs from `PAPER_FORMULA` (printed by ``hf-zero estimate``)."""
+"""Where `formula` equals `PAPER_FORMULA`, where it keeps more and why (``hf-zero estimate``)."""
 
 QUANT_SCALE_OVERHEAD = 4 / 256  # one fp32 scale per 256-element block
 
@@ -154,17 +211,28 @@ def estimate(
     hpz: int = 1,
     frozen_params: int = 0,
     mixz: bool = False,
+    gradient_accumulation_steps: int = 1,
+    between_steps: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes by kind (as `ZeroEngine.memory_report` names them) for a whole model.
 
     ``frozen_params`` have no gradients or optimizer state (a LoRA base); with ``mixz`` (stage
-    3) they are INT8 shards (1 byte per parameter / N, plus scales). With ``tp_size`` > 1 the TP-split part
-    of every count is divided by it. ``hpz`` adds the secondary shards held during a step.
+    3) they are INT8 shards (1 byte per parameter / N, plus scales). With ``tp_size`` > 1 the
+    TP-split part of every count is divided by it. ``hpz`` adds the secondary shards held during a
+    step. ``gradient_accumulation_steps`` and ``between_steps``: see `model_state_bytes`.
     """
     b = BYTES[precision]
     local = shape.params - shape.tp_split_params + shape.tp_split_params / tp_size
     frozen = frozen_params * local / shape.params if shape.params else 0.0
-    report = model_state_bytes(local - frozen, dp_size, stage, precision, offload)
+    report = model_state_bytes(
+        local - frozen,
+        dp_size,
+        stage,
+        precision,
+        offload,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        between_steps=between_steps,
+    )
     mixz = mixz and stage == 3  # MixZ++ needs stage 3; below it the base is replicated
     if mixz:
         report["quantized_params"] = frozen / dp_size * (1 + QUANT_SCALE_OVERHEAD)

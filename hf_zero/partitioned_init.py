@@ -19,16 +19,20 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from hf_zero.comm.collectives import all_gather_single
 from hf_zero.config import ZeroConfig
 from hf_zero.partition import FlatLayout
 from hf_zero.stage3 import assign_params_to_units, find_units
 from hf_zero.topology import current_device, init_distributed
+
+if TYPE_CHECKING:
+    from hf_zero.comm import Collectives
+    from hf_zero.topology import Group
 
 
 @dataclass
@@ -41,14 +45,15 @@ class PreShard:
     shard_index: int
     group: dist.ProcessGroup | None
 
-    def gather_full(self) -> torch.Tensor:
-        """The unit's whole flat buffer (collective over the data-parallel group)."""
+    def gather_full(self, comm: Collectives, group: Group) -> torch.Tensor:
+        """The unit's whole flat buffer (collective over ``group``, the whole world: the
+        ranks it was sharded over), booked in ``comm``."""
         if self.layout.num_shards == 1:
             return self.shard.clone()
         full = torch.empty(
             self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device
         )
-        all_gather_single(full, self.shard, group=self.group)
+        comm.all_gather(full, self.shard, group)
         return full
 
 
@@ -280,8 +285,9 @@ def _tensor_files(path: Path) -> dict[str, str]:
     raise ValueError(f"hf_zero.load_partitioned: no safetensors checkpoint at {path}")
 
 
-def unshard(module: torch.nn.Module) -> None:
-    """Give a `partitioned_init` unit's parameters their whole values again (collective).
+def unshard(module: torch.nn.Module, comm: Collectives, group: Group) -> None:
+    """Give a `partitioned_init` unit's parameters their whole values again (collective over
+    ``group``, booked in ``comm``).
 
     `initialize` calls it one unit at a time: stage 3 re-shards the unit right away, so at most
     one unit is ever whole; stages 0-2 keep the parameters whole.
@@ -289,7 +295,7 @@ def unshard(module: torch.nn.Module) -> None:
     pre = preshard_of(module)
     if pre is None:
         return
-    full = pre.gather_full()
+    full = pre.gather_full(comm, group)
     for slot, p in zip(pre.layout.slots, pre.params):
         p.data = full[slot.offset : slot.end].view(slot.shape).to(p.dtype, copy=True)
         del p._hf_zero_slot

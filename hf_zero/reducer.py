@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
+from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.topology import Group
 
@@ -29,9 +29,11 @@ class GradientReducer:
         gradient_accumulation_steps: int,
         overlap_comm: bool,
         control: Group,
+        comm: Collectives | None = None,
     ) -> None:
         self.groups = groups
         self.control = control
+        self.comm = (comm or Collectives()).for_purpose("control")  # the received-flags max
         self.stage = stage
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.overlap_comm = overlap_comm
@@ -103,7 +105,7 @@ class GradientReducer:
         """
         flags = torch.tensor([g.received for g in self.groups], dtype=torch.uint8)
         if self.control.size > 1 and len(flags):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control.pg)
+            self.comm.all_reduce_max(flags, self.control)
         return [bool(f) for f in flags]
 
     def remove_hooks(self) -> None:

@@ -36,7 +36,7 @@ import runpy
 import sys
 from typing import Any
 
-from hf_zero.config import CLI_FLAGS
+from hf_zero.config_sources import CLI_FLAGS
 from hf_zero.launch_errors import USAGE_STATUS, report
 
 # --flag -> (ZeroConfig field, parser for its value)
@@ -112,7 +112,7 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
 
 def activate(values: dict[str, Any] | None = None, config_file: str | None = None) -> None:
     """Validate the settings, remember them and point ``transformers.Trainer`` at ZeroTrainer."""
-    from hf_zero.config import resolve_sources
+    from hf_zero.config_sources import resolve_sources
     from hf_zero.integrations.cpu import use_cpu_processes
 
     global _active

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-from hf_zero.comm.collectives import all_gather_single
+from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.stage3_units import assign_params_to_units, find_units  # noqa: F401 (re-exported)
 from hf_zero.topology import Group
@@ -106,9 +106,11 @@ class Zero3Coordinator:
         prefetch_numel: int,
         max_live_numel: int,
         check_execution_order: bool,
+        comm: Collectives | None = None,
     ) -> None:
         self.units = units
         self.control = control
+        self.comm = (comm or Collectives()).for_purpose("control")  # order checks, traces
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.check_execution_order = check_execution_order
@@ -257,7 +259,7 @@ class Zero3Coordinator:
         mine = torch.tensor([hash((tuple(forward), tuple(backward)))], dtype=torch.int64)
         everyone = torch.zeros(self.control.size, dtype=torch.int64)
         if self.control.size > 1:
-            all_gather_single(everyone, mine, group=self.control.pg)
+            self.comm.all_gather(everyone, mine, self.control)
         else:
             everyone = mine
         if bool((everyone == mine).all()):
@@ -275,7 +277,7 @@ class Zero3Coordinator:
         code = index if event != "backward" else -2 - index
         mine = torch.tensor([code], dtype=torch.int64)
         everyone = torch.zeros(self.control.size, dtype=torch.int64)
-        all_gather_single(everyone, mine, group=self.control.pg)
+        self.comm.all_gather(everyone, mine, self.control)
         if bool((everyone == code).all()):
             return
         seen = [self._describe(int(c)) for c in everyone]

@@ -36,10 +36,11 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.stage3 import Unit, gather_groups
 from hf_zero.topology import Group
-from hf_zero.tp import TensorParallel, gather_full
+from hf_zero.tp import TensorParallel
 
 SYNC_TIMEOUT = datetime.timedelta(minutes=5)
 """How long the first rank to call ``state_dict()`` waits for the others before it raises."""
@@ -79,8 +80,10 @@ class StateDictHooks:
         units: list[Unit],
         control: Group,
         tp: TensorParallel | None = None,
+        comm: Collectives | None = None,
     ) -> None:
         self.control = control
+        self.comm = (comm or Collectives()).for_purpose("control")  # the start-of-call barrier
         self.tp = tp
         self.unit_groups = {id(u.module): list(u.groups) for u in units if u.groups}
         self.direct: dict[int, list[tuple[str, FlatParamGroup]]] = {}
@@ -151,7 +154,7 @@ class StateDictHooks:
                             f"elements in state_dict(). {_INSTEAD}"
                         )
                     if tp_shard is not None:  # collective over the TP group
-                        value = gather_full(value, tp_shard, self.tp.group)
+                        value = self.tp.gather_full(value, tp_shard)
                     copy = self._copies[id(p)] = value.to("cpu", copy=True)
                 state[key] = copy
             self._release_unit(module)
@@ -245,7 +248,7 @@ class StateDictHooks:
                 f"is gone. {_GONE}"
             )
         try:
-            dist.monitored_barrier(self.control.pg, timeout=SYNC_TIMEOUT, wait_all_ranks=True)
+            self.comm.barrier(self.control, monitored_timeout=SYNC_TIMEOUT)
         except Exception as error:  # gloo reports missing ranks as RuntimeError/DistBackendError
             raise RuntimeError(
                 f"hf_zero ZeRO-3: {what} gathers sharded parameters with collectives, so every "

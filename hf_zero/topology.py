@@ -70,6 +70,11 @@ class Topology:
     def num_nodes(self) -> int:
         return self.world_size // self.node_size
 
+    @property
+    def world(self) -> Group:
+        """Every rank, on the default process group."""
+        return Group(None, tuple(range(self.world_size)), self.num_nodes > 1)
+
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.node_size
 
@@ -162,6 +167,16 @@ class Topology:
         return cls(
             world, rank, tp_size, node_size, dp, tp, intra, inter, control, dp_intra, dp_inter, hpz
         )
+
+
+def hpz_size(setting: int | str, tp_size: int, node_size: int | None) -> int:
+    """``hpz_partition_size`` as a number; ``"auto"`` is the data-parallel ranks of one node."""
+    if setting != "auto":
+        return setting
+    init_distributed()
+    world = dist.get_world_size()
+    node = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return max(1, node // tp_size)
 
 
 def current_device() -> torch.device:

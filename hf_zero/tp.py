@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_zero.comm import Collectives
 from hf_zero.topology import Group
 
 logger = logging.getLogger(__name__)
@@ -124,63 +125,69 @@ def _glob_regex(pattern: str) -> re.Pattern:
 
 
 # --- autograd collectives ------------------------------------------------------------------------
+# Each takes the `Collectives` (purpose "tp") of its `TensorParallel`, so TP traffic is booked.
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; backward sums the input gradient over the TP group."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm = group, comm
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group.pg)
-        return grad, None
+        ctx.comm.all_reduce(grad, ctx.group)
+        return grad, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """Forward sums partial results over the TP group; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, comm):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group.pg)
+        comm.all_reduce(x, group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
+
+
+def _gather_last_dim(x: torch.Tensor, group: Group, comm: Collectives) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along the last dimension, in rank order."""
+    stacked = torch.empty((group.size, *x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather(stacked.view(-1), x.contiguous().view(-1), group)
+    return torch.cat(stacked.unbind(0), dim=-1)
 
 
 class _GatherFromTP(torch.autograd.Function):
     """Forward concatenates every rank's last-dimension slice; backward keeps this rank's."""
 
     @staticmethod
-    def forward(ctx, x, group, index):
+    def forward(ctx, x, group, index, comm):
         ctx.index, ctx.size = index, x.shape[-1]
-        pieces = [torch.empty_like(x) for _ in range(group.size)]
-        dist.all_gather(pieces, x.contiguous(), group=group.pg)
-        return torch.cat(pieces, dim=-1)
+        return _gather_last_dim(x, group, comm)
 
     @staticmethod
     def backward(ctx, grad):
         start = ctx.index * ctx.size
-        return grad[..., start : start + ctx.size].contiguous(), None, None
+        return grad[..., start : start + ctx.size].contiguous(), None, None, None
 
 
 class _SplitToTP(torch.autograd.Function):
     """Forward keeps this rank's last-dimension slice; backward gathers the full gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, index):
-        ctx.group, ctx.index = group, index
+    def forward(ctx, x, group, index, comm):
+        ctx.group, ctx.index, ctx.comm = group, index, comm
         size = x.shape[-1] // group.size
         return x[..., index * size : (index + 1) * size].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _GatherFromTP.apply(grad, ctx.group, ctx.index), None, None
+        return _GatherFromTP.apply(grad, ctx.group, ctx.index, ctx.comm), None, None, None
 
 
 # --- sharding -------------------------------------------------------------------------------------
@@ -200,20 +207,33 @@ def unsplit(pieces: list[torch.Tensor], shard: TPShard) -> torch.Tensor:
     )
 
 
-def gather_full(local: torch.Tensor, shard: TPShard, group: Group) -> torch.Tensor:
+def gather_full(
+    local: torch.Tensor, shard: TPShard, group: Group, comm: Collectives
+) -> torch.Tensor:
     """Collective over the TP group: the whole parameter from every rank's slice."""
-    pieces = [torch.empty_like(local) for _ in range(group.size)]
-    dist.all_gather(pieces, local.contiguous(), group=group.pg)
-    return unsplit(pieces, shard)
+    stacked = torch.empty((group.size, *local.shape), dtype=local.dtype, device=local.device)
+    comm.all_gather(stacked.view(-1), local.contiguous().view(-1), group)
+    return unsplit(list(stacked.unbind(0)), shard)
 
 
 class TensorParallel:
-    """Applies a resolved plan to a model on one TP group and remembers what it split."""
+    """Applies a resolved plan to a model on one TP group and remembers what it split.
 
-    def __init__(self, model: torch.nn.Module, plan: Mapping[str, str], group: Group) -> None:
+    Its collectives go through ``comm`` booked as purpose ``"tp"`` (the engine passes its own;
+    without one, a private `Collectives` counts them in ``self.comm.stats``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Mapping[str, str],
+        group: Group,
+        comm: Collectives | None = None,
+    ) -> None:
         self.model = model
         self.plan = dict(plan)
         self.group = group
+        self.comm = (comm or Collectives()).for_purpose("tp")
         self.size = group.size
         self.index = group.rank_of(dist.get_rank())
         self.shards: dict[int, TPShard] = {}
@@ -328,29 +348,29 @@ class TensorParallel:
         logger.info("hf_zero AutoTP: %d modules split over %d ranks", len(self.plan), self.size)
 
     def _install(self, module: torch.nn.Module, style: str) -> None:
-        group, index = self.group, self.index
+        group, index, comm = self.group, self.index, self.comm
         pre, post = None, None
         if style.startswith("colwise") or style == "packed_colwise":
 
             def pre(m, args):
-                return (_CopyToTP.apply(args[0], group), *args[1:])
+                return (_CopyToTP.apply(args[0], group, comm), *args[1:])
 
             if style in ("colwise_gather_output", "colwise_rep"):
 
                 def post(m, args, out):
-                    return _GatherFromTP.apply(out, group, index)
+                    return _GatherFromTP.apply(out, group, index, comm)
 
         elif style.startswith("rowwise") or style == "packed_rowwise":
             if style in ("rowwise_split_input", "rowwise_rep"):
 
                 def pre(m, args):
-                    return (_SplitToTP.apply(args[0], group, index), *args[1:])
+                    return (_SplitToTP.apply(args[0], group, index, comm), *args[1:])
 
             def post(m, args, out):
                 if m.bias is None:
-                    return _ReduceFromTP.apply(out, group)
+                    return _ReduceFromTP.apply(out, group, comm)
                 # The local matmul added the whole bias on every rank: add it once instead.
-                return _ReduceFromTP.apply(out - m.bias, group) + m.bias
+                return _ReduceFromTP.apply(out - m.bias, group, comm) + m.bias
 
         elif style == "embedding_rowwise":
             rows = module.weight.shape[0]
@@ -367,12 +387,12 @@ class TensorParallel:
             def post(m, args, out):
                 out = out.masked_fill(m._hf_zero_outside.unsqueeze(-1), 0.0)
                 del m._hf_zero_outside
-                return _ReduceFromTP.apply(out, group)
+                return _ReduceFromTP.apply(out, group, comm)
 
         elif style == "embedding_colwise":
 
             def post(m, args, out):
-                return _GatherFromTP.apply(out, group, index)
+                return _GatherFromTP.apply(out, group, index, comm)
 
         if pre is not None:
             self._handles.append(module.register_forward_pre_hook(pre))
@@ -381,7 +401,7 @@ class TensorParallel:
 
     def _sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
-        dist.all_reduce(grad, group=self.group.pg)
+        self.comm.all_reduce(grad, self.group)
         return grad
 
     def _divide_head_counts(self) -> None:
@@ -398,6 +418,10 @@ class TensorParallel:
     # --- saving -------------------------------------------------------------------------------
     def shard_of(self, param: torch.Tensor) -> TPShard | None:
         return self.shards.get(id(param))
+
+    def gather_full(self, local: torch.Tensor, shard: TPShard) -> torch.Tensor:
+        """Collective over the TP group: the whole parameter from every rank's slice."""
+        return gather_full(local, shard, self.group, self.comm)
 
     def describe(self) -> dict:
         """What a checkpoint records about the layout."""

@@ -74,18 +74,32 @@ def test_estimate_names_its_units_and_why_it_differs_from_the_paper(capsys):
     assert "GiB = 2^30 bytes" in out and "device GiB" in out
     rows = [line.split(None, 5) for line in out.splitlines() if line[:5].strip().isdigit()]
     columns = {(int(r[0]), r[1]): r[5] for r in rows}
+    paper = {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"}
+    for stage, text in paper.items():  # bf16, one micro-batch per step: the paper's formulas
+        assert columns[(stage, "False")].split("  ")[0].strip() == text
+        assert columns[(stage, "False")].endswith(text)  # the paper's, alongside
+    assert "Kept on purpose: with gradient accumulation" in out and "Resident = " in out
+    # With accumulation, stages 2-3 keep an fp32 shard across the window, and say so.
+    assert (
+        main(["estimate", "--params", "7e9", "--dp", "8", "--gradient-accumulation-steps", "4"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    rows = [line.split(None, 5) for line in out.splitlines() if line[:5].strip().isdigit()]
+    columns = {(int(r[0]), r[1]): r[5] for r in rows}
     assert columns[(2, "False")].split("  ")[0].strip() == "2P + 16P/N"
-    assert columns[(2, "False")].endswith("2P + 14P/N")  # the paper's, alongside
-    assert "Stages 2-3 hold it instead of a 16-bit shard (+2P/N)" in out
+    assert columns[(3, "False")].split("  ")[0].strip() == "18P/N"
+    assert columns[(1, "False")].split("  ")[0].strip() == "4P + 12P/N"
     # The printed formula is the estimator's own arithmetic, at any P and N.
-    for stage in (0, 1, 2, 3):
-        text = formula(stage, "bf16")
+    for stage, gas in [(s, g) for s in (0, 1, 2, 3) for g in (1, 4)]:
+        text = formula(stage, "bf16", gradient_accumulation_steps=gas)
         P, N = 1000.0, 4.0
         value = sum(
             float(term.split("P")[0]) * (P / N if term.endswith("/N") else P)
             for term in text.split(" + ")
         )
-        assert value == model_state_bytes(P, N, stage, "bf16")["total"], (stage, text)
+        expected = model_state_bytes(P, N, stage, "bf16", gradient_accumulation_steps=gas)
+        assert value == expected["total"], (stage, gas, text)
 
 
 def test_config_names_the_line_of_a_syntax_error(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 
 from hf_zero import ZeroConfig
 from hf_zero import deepspeed_config as ds_config
-from hf_zero.config import explicit_values
+from hf_zero.config_sources import explicit_values
 
 ROOT = Path(__file__).resolve().parents[1]
 

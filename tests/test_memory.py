@@ -4,7 +4,8 @@ P = trainable parameters, N = data-parallel ranks, S = this rank's shard element
 (sum over buckets of padded_numel / N, so S * N = P + padding).
   stage 0: master weights 0 (fp32 steps the parameters in place), optimizer state 8 (P + pad)
   stages 1-2: master weights + optimizer state = 12 S  (= 12 P / N plus padding)
-  stage 1: full fp32 gradients held (4 (P + pad)); stage 2: only the fp32 gradient shard (4 S)
+  stage 1: full fp32 gradients held (4 (P + pad)), reduced in place; stage 2: only the fp32
+  gradient shard (4 S)
 """
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from helpers import BUCKET, batch, build_model, two_param_groups
 
 import hf_zero
+from hf_zero.memory import model_state_bytes
 from hf_zero.partition import ALIGN
 from hf_zero.testing import run_distributed
 
@@ -68,7 +70,7 @@ def test_memory_report_matches_zero_formulas(world_size):
                 assert grads == 4 * S
             elif stage == 1:
                 assert len(r["holding_full_grad"]) > 0
-                assert grads == 4 * padded + 4 * S
+                assert grads == 4 * padded  # reduce-scattered into its own region: no copy
             else:
                 assert grads == 4 * padded  # reduced in place; the master grad is the same buffer
     # Sharding really divides the per-rank optimizer footprint by N (padding and the scalar step
@@ -76,3 +78,112 @@ def test_memory_report_matches_zero_formulas(world_size):
     s0 = results[0][0]["after_step"]["optimizer_states"]
     s2 = results[2][0]["after_step"]["optimizer_states"]
     assert s0 / s2 >= 0.95 * world_size
+
+
+# --- resident model states against the ZeRO paper (bf16) -------------------------------------
+PAPER = {  # bytes per rank: (parameters, gradients, master weights + Adam state)
+    0: lambda P, N: (2 * P, 2 * P, 12 * P),
+    1: lambda P, N: (2 * P, 2 * P, 12 * P / N),
+    2: lambda P, N: (2 * P, 2 * P / N, 12 * P / N),
+    3: lambda P, N: (2 * P / N, 2 * P / N, 12 * P / N),
+}
+KINDS = ("params", "grads", "states")
+
+
+def _kinds(report: dict, step_bytes: int) -> dict:
+    states = report["master_weights"] + report["optimizer_states"] - step_bytes
+    return {"params": report["params"], "grads": report["grads"], "states": states}
+
+
+def _resident(stage: int, gas: int, bucket: int) -> dict:
+    """bf16 model states at the peak (after a step's last backward) and between steps (after the
+    step), plus the fp32 gradient bytes alive at each optimizer.step() call."""
+    model = build_model()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    num_params = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        stage=stage,
+        precision="bf16",
+        gradient_accumulation_steps=gas,
+        reduce_bucket_size=bucket,
+        param_persistence_threshold=0,
+    )
+    fp32_grad_bytes = []
+
+    def count_fp32_grads(optimizer, args, kwargs):
+        live = [g.master.grad for g in engine.groups if g.master.grad is not None]
+        fp32_grad_bytes.append(sum(t.numel() * 4 for t in live if t.dtype == torch.float32))
+
+    engine.optimizer.optimizer.register_step_pre_hook(count_fp32_grads)
+    reports = {}
+    for step in range(2):  # the second step's peak holds Adam state
+        for micro in range(gas):
+            x = batch(dist.get_rank(), step, micro)
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            reports[f"micro{micro}"] = engine.memory_report()
+        reports["peak"] = engine.memory_report()
+        fp32_grad_bytes.clear()
+        engine.step()
+        reports["between"] = engine.memory_report()
+    state = engine.optimizer.optimizer.state
+    return {
+        "P": num_params,
+        "N": dist.get_world_size(),
+        "step_bytes": sum(s["step"].numel() * s["step"].element_size() for s in state.values()),
+        "reports": reports,
+        "fp32_grad_bytes": fp32_grad_bytes,
+        "largest_shard": max(g.layout.shard_numel for g in engine.groups),
+        "buckets": len(engine.groups),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_resident_model_states_equal_the_paper_in_bf16(world_size):
+    """ "Resident" = held by the rank's tensors (memory_report) at the model-state peak (after
+    the last backward, before the optimizer step) and between steps (after it). Both are the
+    ZeRO paper's formulas within 5% per kind (padding and step counters are the difference);
+    between steps stages 2-3 hold no gradient shard. The step converts one bucket at a time."""
+    for stage in (0, 1, 2, 3):
+        for r in run_distributed(_resident, world_size, args=(stage, 1, 50_000_000)):
+            P, N = r["P"], r["N"]
+            paper = dict(zip(KINDS, PAPER[stage](P, N)))
+            peak = _kinds(r["reports"]["peak"], r["step_bytes"])
+            between = _kinds(r["reports"]["between"], r["step_bytes"])
+            for kind in KINDS:
+                assert abs(peak[kind] - paper[kind]) <= 0.05 * paper[kind], (stage, kind, peak)
+                expected = 0 if kind == "grads" and stage >= 2 else paper[kind]
+                assert abs(between[kind] - expected) <= 0.05 * paper[kind], (stage, kind, between)
+            total = sum(PAPER[stage](P, N))
+            assert abs(sum(peak.values()) - total) <= 0.05 * total
+            formula = model_state_bytes(P, N, stage, "bf16")["total"]
+            assert abs(formula - total) <= 1e-9 * total  # the estimator is the paper's here
+            assert max(r["fp32_grad_bytes"]) <= 4 * r["largest_shard"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_gradients_live_one_bucket_at_a_time_and_only_across_a_window(stage):
+    """Several buckets, one micro-batch per step: at every optimizer.step() call at most one
+    bucket's fp32 gradient is alive. With 2 micro-batches, stages 2-3 hold the 16-bit shard after
+    the first, an fp32 accumulator from the second until the step (kept on purpose: exact
+    sums), none after; stages 0-1 accumulate in their 16-bit buffer as before."""
+    for r in run_distributed(_resident, 2, args=(stage, 1, BUCKET)):
+        assert r["buckets"] > 2
+        assert 0 < max(r["fp32_grad_bytes"]) <= 4 * r["largest_shard"]
+    if stage == 0:
+        return
+    for r in run_distributed(_resident, 2, args=(stage, 2, BUCKET)):
+        P, N = r["P"], r["N"]
+        reports, grads = r["reports"], {k: v["grads"] for k, v in r["reports"].items()}
+        estimate = model_state_bytes(P, N, stage, "bf16", gradient_accumulation_steps=2)
+        slack = 0.05 * estimate["grads"]
+        assert abs(grads["peak"] - estimate["grads"]) <= slack, grads
+        if stage >= 2:
+            assert abs(grads["micro0"] - 2 * P / N) <= slack  # 16-bit after one micro-batch
+            assert abs(grads["peak"] - 4 * P / N) <= slack  # fp32 across the window
+            assert grads["between"] == 0
+            assert reports["between"]["total"] < reports["peak"]["total"]
+        else:
+            assert grads["micro0"] == grads["peak"] == grads["between"]  # flat_grad only

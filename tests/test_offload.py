@@ -155,3 +155,37 @@ def test_cpu_adam_bf16_state_halves_memory_within_stated_error():
 def test_cpu_adam_rejects_unknown_state_dtype():
     with pytest.raises(ValueError, match=r"'state_dtype' = torch\.float16; allowed"):
         CPUAdam([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
+
+
+def _kernel_choice(fast_kernel: bool) -> dict:
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("hf_zero.optim.sharded").addHandler(handler)
+    on_losses, on_params, _ = train_zero(STEPS, GAS, CLIP, 3, **ZERO3)  # default AdamW, on device
+    off_losses, off_params, engine = train_zero(
+        STEPS, GAS, CLIP, 3, offload_optimizer="cpu",
+        offload_optimizer_fast_kernel=fast_kernel, **ZERO3,
+    )  # fmt: skip
+    return {
+        "fast_kernel": engine.optimizer.fast_kernel,
+        "equal_to_on_device": off_losses == on_losses
+        and all(torch.equal(off_params[k], on_params[k]) for k in on_params),
+        "logged": [m for m in records if "fused CPU Adam kernel" in m],
+        "rank": dist.get_rank(),
+    }
+
+
+@pytest.mark.parametrize("fast_kernel", [True, False], ids=["fused-kernel", "your-step"])
+def test_offload_kernel_swap_is_said_and_can_be_turned_off(fast_kernel):
+    """The user's default (foreach) AdamW: by default the offloaded step runs torch's fused CPU
+    kernel (one warning on rank 0 says so); with ``offload_optimizer_fast_kernel: false`` the
+    user's own ``step()`` runs on the host and training is bit-identical to on-device."""
+    for r in run_distributed(_kernel_choice, 2, args=(fast_kernel,)):
+        assert r["fast_kernel"] is fast_kernel
+        expected = 1 if fast_kernel and r["rank"] == 0 else 0
+        assert len(r["logged"]) == expected, r["logged"]
+        if not fast_kernel:
+            assert r["equal_to_on_device"]

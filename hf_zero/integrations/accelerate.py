@@ -117,7 +117,7 @@ class ZeroAccelerator(Accelerator):
     def __init__(self, *args, zero_plugin: ZeroPlugin | None = None, **kwargs) -> None:
         if zero_plugin is None:
             # `hf_zero.run`'s flags and --zero_config, if active, over $HF_ZERO_CONFIG.
-            from hf_zero.config import resolve_sources
+            from hf_zero.config_sources import resolve_sources
             from hf_zero.run import active_sources
 
             zero_plugin = ZeroPlugin(resolve_sources(*active_sources()))

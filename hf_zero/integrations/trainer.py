@@ -20,7 +20,8 @@ import transformers.trainer as trainer_module
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from hf_zero.config import AUTO, CLI_FLAGS, ENV_VAR, ZeroConfig, explicit_values, resolve_sources
+from hf_zero.config import AUTO, ZeroConfig
+from hf_zero.config_sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 from hf_zero.integrations.cpu import ensure_cpu_args
 from hf_zero.optim.deepspeed_optimizer import (
@@ -35,6 +36,8 @@ from hf_zero.stage3_units import num_parameters
 logger = logging.getLogger(__name__)
 
 ZERO_DIR = "zero"  # the engine's sharded checkpoint inside a Trainer checkpoint directory
+COMM_LOG_KEYS = ("comm_wire_MiB_per_step", "comm_paper_MiB_per_step")
+"""Logged per step: bytes this rank sent (every purpose), ZeRO traffic's paper volume."""
 
 FLAGS = CLI_FLAGS  # --flag -> ZeroConfig field
 
@@ -151,8 +154,10 @@ class ZeroTrainerMixin:
     PEFT model: the adapter, in PEFT format, under every stage). Checkpoints keep the sharded
     optimizer state as one file per rank; ``resume_from_checkpoint`` restores it exactly. Logs
     add ``grad_norm_pre_clip`` (the Trainer's ``grad_norm`` is the same pre-clip value),
-    ``grad_norm_post_clip``, ``loss_scale`` (fp16), this rank's memory by kind and the bytes
-    communicated per optimizer step.
+    ``grad_norm_post_clip``, ``loss_scale`` (fp16), this rank's memory by kind and its traffic
+    per optimizer step: ``comm_wire_MiB_per_step`` (what this rank sent, ZeRO, TP and control
+    traffic together) and ``comm_paper_MiB_per_step`` (the ZeRO traffic by the ZeRO paper's
+    volume convention); see `hf_zero.comm.stats`.
     """
 
     def __init__(self, *args, zero_config: ZeroConfig | None = None, **kwargs) -> None:
@@ -160,7 +165,7 @@ class ZeroTrainerMixin:
         if training_args is not None:
             ensure_cpu_args(training_args)  # no GPU: the launched processes are one CPU group
         self._zero_config = zero_config
-        self._comm_bytes_logged = 0
+        self._comm_bytes_logged = (0, 0)  # wire, paper
         self._steps_logged = 0
         super().__init__(*args, **kwargs)
         self._warn_sections_overridden()
@@ -300,11 +305,11 @@ class ZeroTrainerMixin:
         engine = self.engine
         if engine is not None and "loss" in logs:
             steps = self.state.global_step - self._steps_logged
-            comm = engine.comm_stats.bytes()
+            stats = engine.comm_stats
+            comm = (stats.wire_bytes(), stats.paper_bytes(purpose="zero"))
             if steps > 0:
-                logs["comm_MiB_per_step"] = round(
-                    (comm - self._comm_bytes_logged) / steps / 2**20, 3
-                )
+                for key, now, before in zip(COMM_LOG_KEYS, comm, self._comm_bytes_logged):
+                    logs[key] = round((now - before) / steps / 2**20, 3)
             self._comm_bytes_logged, self._steps_logged = comm, self.state.global_step
             if "grad_norm" in logs:
                 logs["grad_norm_pre_clip"] = logs["grad_norm"]

@@ -9,6 +9,7 @@ LR scheduler attached to it keep working.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 
@@ -19,6 +20,8 @@ from hf_zero.flat_group import FlatParamGroup
 from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
 from hf_zero.precision import LossScaler
 from hf_zero.topology import Group
+
+logger = logging.getLogger(__name__)
 
 # Optimizers whose update of each element depends only on that element's own state.
 ELEMENTWISE_OPTIMIZERS = (
@@ -127,14 +130,31 @@ class ShardedOptimizer:
         dp_group: Group,
         loss_scaler: LossScaler,
         tp_group: Group | None = None,
+        fast_kernel: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.tp_group = tp_group
         self.groups = groups
-        self.comm = comm
+        self.comm = comm.for_purpose("control")  # overflow flags and norms only
         self.dp_group = dp_group
         self.loss_scaler = loss_scaler
         self.offload = any(g.offload for g in groups)
+        self.fast_kernel = (
+            self.offload and supports_fast_step(optimizer) and not isinstance(optimizer, CPUAdam)
+            and fast_kernel
+        )  # fmt: skip
+        """Offload: the user's Adam/AdamW is stepped by torch's fused CPU kernel instead."""
+        if self.fast_kernel and dp_group.rank_of(torch.distributed.get_rank()) == 0:
+            # Visible, because the numbers change in the last bits (not for fused=True).
+            fused = all(g.get("fused") for g in optimizer.param_groups)
+            logger.warning(
+                "hf_zero: offloaded %s steps run torch's fused CPU Adam kernel%s; set "
+                "'offload_optimizer_fast_kernel': false to run your optimizer's own step()",
+                type(optimizer).__name__,
+                " (as you asked: fused=True)"
+                if fused
+                else " instead of its for-loop/foreach one (same formula, last-bit rounding differs)",
+            )
         self._group_of_master = {id(g.master): g for g in groups}
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping, from the last clip (None if not computed)."""
@@ -154,10 +174,10 @@ class ShardedOptimizer:
             return self._overflow
         self._grads_prepared = True
         for group in self.groups:
-            group.fold_host_grad()
-        grads = [g.master.grad for g in self.groups if g.master.grad is not None]
+            group.grads.settle()
+        grads = [g.grads for g in self.groups if g.grads.present]
         if self.loss_scaler.enabled:
-            local = any(not torch.isfinite(g).all() for g in grads)
+            local = any(not g.all_finite() for g in grads)
             flag = torch.tensor([1.0 if local else 0.0], device=self._comm_device())
             self.comm.all_reduce_max(flag, self.dp_group)
             if self.tp_group is not None:
@@ -166,7 +186,7 @@ class ShardedOptimizer:
             if not self._overflow:
                 inv = 1.0 / self.loss_scaler.scale
                 for g in grads:
-                    g.mul_(inv)
+                    g.scale_(inv)  # deferred to the step's conversion while 16-bit
         return self._overflow
 
     def global_grad_norm(self) -> float:
@@ -176,8 +196,8 @@ class ShardedOptimizer:
         tp = self.tp_group is not None
         sq = torch.zeros(2 if tp else 1, dtype=torch.float32, device=self._master_device())
         for g in self.groups:
-            if g.master.grad is not None:
-                sq[int(g.tp_split and tp)] += g.master.grad.float().pow(2).sum()
+            if g.grads.present:
+                sq[int(g.tp_split and tp)] += g.grads.square_sum()
         sq = sq.to(self._comm_device())
         if self.groups and self.groups[0].layout.num_shards > 1:
             self.comm.all_reduce(sq, self.dp_group)
@@ -198,8 +218,7 @@ class ShardedOptimizer:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for g in self.groups:
-                if g.master.grad is not None:
-                    g.master.grad.mul_(coef)
+                g.grads.scale_(coef)
         self.last_grad_norm_post_clip = norm * min(coef, 1.0)
         return norm
 
@@ -225,7 +244,10 @@ class ShardedOptimizer:
         """Step the user's optimizer; offloaded Adam/AdamW takes the tiled fused CPU path, and
         each finished tile starts its copy back to the device while the next is updated."""
         if not self.offload:
-            self.optimizer.step()
+            if any(g.grads.lazy for g in self.groups):
+                self._step_bucket_by_bucket()
+            else:
+                self.optimizer.step()
             return
 
         def on_tile(master: torch.Tensor, start: int, end: int) -> None:
@@ -234,10 +256,32 @@ class ShardedOptimizer:
         if isinstance(self.optimizer, CPUAdam):
             self.optimizer.on_tile = on_tile
             self.optimizer.step()
-        elif supports_fast_step(self.optimizer):
+        elif self.fast_kernel:
             adam_step(self.optimizer, on_tile=on_tile)
         else:
             self.optimizer.step()  # any other elementwise optimizer, untiled
+
+    def _step_bucket_by_bucket(self) -> None:
+        """16-bit gradients: convert one bucket's to fp32, step it, free it, then the next, so
+        at most one bucket's fp32 gradient exists (DeepSpeed's stage 1-2 steps one param group
+        at a time for the same reason). The optimizer's ``step()`` (and its hooks) runs once per
+        bucket, with ``param_groups`` narrowed to that bucket's master; elementwise optimizers
+        compute exactly what one call over all buckets would."""
+        optimizer, param_groups = self.optimizer, self.optimizer.param_groups
+        members = [group["params"] for group in param_groups]
+        try:
+            for g in self.groups:
+                if not g.grads.materialize():
+                    continue  # no gradient anywhere: skipped, as torch skips grad None
+                param_group = param_groups[g.param_group_index]
+                param_group["params"] = [g.master]
+                optimizer.param_groups = [param_group]
+                optimizer.step()
+                g.grads.release()
+        finally:
+            optimizer.param_groups = param_groups
+            for group, params in zip(param_groups, members):
+                group["params"] = params
 
     def end_step(self) -> None:
         self._grads_prepared = False
