@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +63,8 @@ class CommCounter:
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._depth = 0
+        self._local = threading.local()  # nesting depth per thread (hf_zero sends from a worker)
+        self._lock = threading.Lock()
         self._originals: dict[str, Callable] = {}
 
     def install(self) -> None:
@@ -79,18 +81,20 @@ class CommCounter:
 
     def _wrap(self, fn: Callable, wire: Callable[[int, int], int]) -> Callable:
         def counted(*args, **kwargs):
-            if self._depth == 0:
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0:
                 values = [*args[:2], *kwargs.values()]  # DeepSpeed passes tensors by keyword
                 sizes = [_nbytes(v) for v in values]
                 group = kwargs.get("group") or next(
                     (a for a in args[2:] if isinstance(a, dist.ProcessGroup)), None
                 )
-                self.bytes += wire(max(sizes, default=0), dist.get_world_size(group))
-            self._depth += 1
+                with self._lock:
+                    self.bytes += wire(max(sizes, default=0), dist.get_world_size(group))
+            self._local.depth = depth + 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._depth -= 1
+                self._local.depth = depth
 
         return counted
 

@@ -27,13 +27,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _maybe_wait(work: exchange.Exchange, async_op: bool) -> exchange.Exchange | None:
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
 class Collectives:
     """The collectives the engine uses, each booked into ``stats``.
 
@@ -55,6 +48,7 @@ class Collectives:
         self.stats = stats if stats is not None else CommStats()
         self.native_collectives = native_collectives
         self._tags: dict[object, int] = {}
+        self._background = exchange.Background()  # shared with `for_purpose` copies
 
     def _exchange_tag(self, group: Group) -> int | None:
         """A fresh point-to-point tag for ``group`` when the exchange path applies, else None.
@@ -68,6 +62,13 @@ class Collectives:
         tag = self._tags.get(group.pg, 0)
         self._tags[group.pg] = (tag + 1) % (1 << 24)
         return tag
+
+    def _exchange(self, start, async_op: bool):
+        """Run an exchange now, or (``async_op``) on the background thread; its handle."""
+        if async_op:
+            return self._background.submit(start)
+        start().wait()
+        return None
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, async_op: bool = False):
         if group.size == 1:
@@ -87,7 +88,7 @@ class Collectives:
         self._book("reduce_scatter", _nbytes(input), group, exchanged=tag is not None)
         if tag is None:
             return reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
-        return _maybe_wait(exchange.reduce_scatter(output, input, group, tag), async_op)
+        return self._exchange(lambda: exchange.reduce_scatter(output, input, group, tag), async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -100,7 +101,7 @@ class Collectives:
         self._book("all_gather", _nbytes(output), group, exchanged=tag is not None)
         if tag is None:
             return all_gather_single(output, input, group=group.pg, async_op=async_op)
-        return _maybe_wait(exchange.all_gather(output, input, group, tag), async_op)
+        return self._exchange(lambda: exchange.all_gather(output, input, group, tag), async_op)
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False

@@ -22,6 +22,9 @@ bit-identical to gloo's own reduce-scatter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 import torch.distributed as dist
 
@@ -77,3 +80,32 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, tag: int
         requests.append(dist.isend(input, peer, group.pg, tag))
         requests.append(dist.irecv(output[j * size : (j + 1) * size], peer, group.pg, tag))
     return Exchange(requests)
+
+
+class Background:
+    """One thread per engine that posts and finishes asynchronous exchanges.
+
+    gloo writes a send into the socket on the thread that posts it, so an exchange posted from
+    the training thread would not overlap backward (stage 1-2 reductions) or the next unit's
+    compute (stage 3 prefetch) the way gloo's own collectives, run on gloo's threads, do. One
+    worker keeps them in submission order; tags (chosen when the call is made) keep concurrent
+    exchanges apart.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, start: Callable[[], Exchange]) -> Pending:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-exchange")
+        return Pending(self._pool.submit(lambda: start().wait()))
+
+
+class Pending:
+    """The handle of a background exchange: ``wait()`` returns once it is done (or raises)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
