@@ -88,7 +88,10 @@ class Collectives:
         self._book("reduce_scatter", _nbytes(input), group, exchanged=tag is not None)
         if tag is None:
             return reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
-        return self._exchange(lambda: exchange.reduce_scatter(output, input, group, tag), async_op)
+        buffers = exchange.receive_buffers(output, group)
+        return self._exchange(
+            lambda: exchange.reduce_scatter(output, input, group, tag, buffers), async_op
+        )
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False

@@ -46,8 +46,22 @@ class Exchange:
             finish()
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, tag: int) -> Exchange:
+def receive_buffers(output: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """The buffers a `reduce_scatter` receives into, one per peer. Allocated by the caller's
+    thread, not the background one: glibc gives each thread its own heap, and one kept for a
+    worker thread holds freed memory the training thread cannot reuse."""
+    return [torch.empty_like(output) for _ in range(group.size - 1)]
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    tag: int,
+    buffers: list[torch.Tensor] | None = None,
+) -> Exchange:
     """Start summing ``input`` across ``group``; this rank's chunk lands in ``output``."""
+    buffers = receive_buffers(output, group) if buffers is None else list(buffers)
     me = group.rank_of(dist.get_rank())
     size = output.numel()
     pieces: list[torch.Tensor | None] = [None] * group.size
@@ -57,7 +71,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, tag:
         if j == me:
             continue
         requests.append(dist.isend(input[j * size : (j + 1) * size], peer, group.pg, tag))
-        pieces[j] = torch.empty_like(output)
+        pieces[j] = buffers.pop()
         requests.append(dist.irecv(pieces[j], peer, group.pg, tag))
 
     def finish() -> None:  # rank order, own piece in its place: deterministic
