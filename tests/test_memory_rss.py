@@ -55,7 +55,9 @@ def test_rss_growth_matches_the_estimate(tmp_path):
         for point in ("peak", "between"):
             row = rows[point]
             assert abs(row["report_vs_estimate"] - 1) < 0.01, (name, point, row)
-            assert 0.85 <= row["ratio_trimmed"] <= 1.15, (name, point, row)
+            # 15% is the bound at >= 100M params (docs/BENCHMARKS.md: 1.013-1.036); at 41M the
+            # ~30-40 MB that does not scale with the model (incl. the exchange thread) is ~15%.
+            assert 0.85 <= row["ratio_trimmed"] <= 1.20, (name, point, row)
         # Stages 2-3 free the gradient shard at the step, and the process gives it back.
         if not name.startswith("stage 1"):
             assert rows["between"]["estimate"] < rows["peak"]["estimate"]
