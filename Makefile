@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: setup train test test-fast lint format
+.PHONY: setup train test test-fast lint format gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 
 # The main job: LoRA fine-tune of the embedded tiny Llama on the embedded text with ZeRO-3,
 # two CPU processes (or GPUs) through `accelerate launch` and the Trainer.
+ACCELERATE_CONFIG ?= configs/accelerate/cpu_2proc.yaml
+TRAIN_OUT ?= outputs/lora-zero3
 train: setup
-	OMP_NUM_THREADS=1 $(BIN)/accelerate launch --config_file configs/accelerate/cpu_2proc.yaml \
-		recipes/finetune_lora.py --zero_stage 3 --output_dir outputs/lora-zero3 \
+	OMP_NUM_THREADS=1 $(BIN)/python -m accelerate.commands.launch --config_file $(ACCELERATE_CONFIG) \
+		recipes/finetune_lora.py --zero_stage 3 --output_dir $(TRAIN_OUT) \
 		--max_steps 150 --learning_rate 1e-2 --per_device_train_batch_size 8 \
 		--logging_steps 25 --save_strategy no --report_to none
 
@@ -40,3 +42,15 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The GPU lane (docs/GPU.md): on a machine without a visible NVIDIA GPU it says so and exits 0.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+# Wheels for a GPU machine that cannot reach a package index (python 3.12, x86-64 Linux): what
+# hf_zero needs beyond an image with torch, transformers, accelerate, peft and safetensors.
+GPU_WHEELS ?= datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hf_zero import checkpoint
+from hf_zero import checkpoint, host_memory
 from hf_zero.comm import Collectives, CommStats
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
@@ -143,6 +143,7 @@ class ZeroEngine:
             config.overlap_comm,
             control=self.topology.dp_control,
             comm=self.comm,
+            max_inflight_numel=2 * config.reduce_bucket_size,  # one on the wire, one queued
         )
         self.reducer.on_backward_end = self._check_backward
         self.optimizer = ShardedOptimizer(
@@ -310,6 +311,8 @@ class ZeroEngine:
         else:
             self.skipped_steps += 1
         self.zero_grad()
+        if self.device.type == "cpu":
+            host_memory.trim()  # freed gradients leave the process, not just the heap
         return stepped
 
     def zero_grad(self) -> None:

@@ -19,29 +19,27 @@ stage  parameters                             gradients and their reduction    m
        buffer exists only while gathered
 =====  =====================================  ===============================  ==============
 
-The reduced gradient waits for the step in ``grads`` (`hf_zero.grad_store.GradStore`).
+In fp32 without offload the master is not a copy: it is this rank's region of ``flat_param``
+(stage 3: the ``shard``), stepped in place. The reduced gradient waits for the step in ``grads``
+(`hf_zero.grad_store.GradStore`).
 
 A stage-3 group may be frozen (``trainable=False``): it is sharded and gathered like any other
 but has no master weights and no gradients.
 
-With ``offload=True`` (ZeRO-Offload, stages 1-3) the master shard, its gradient and so the
-optimizer state live in host memory: each reduced gradient shard is copied device-to-host, the
-optimizer steps on the host, and the updated values are copied host-to-device before the usual
-gather. On CUDA the host buffers are pinned and the copies are asynchronous; on a CPU-only machine
-the same code path runs with separate host tensors and the same copies.
+With ``offload=True`` (ZeRO-Offload, stages 1-3) the master shard, its gradient and the optimizer
+state live in host memory: reduced gradient shards are copied device-to-host, the optimizer steps
+on the host, and updated values go host-to-device before the usual gather. On CUDA the host
+buffers are pinned and the copies asynchronous; on CPU the same path runs with the same copies.
 
-ZeRO++ (``zeropp``, stage 3): with qwZ a gather sends the shard as INT8 plus block scales; with
-hpZ the first gather after an optimizer step also keeps a *secondary shard* (``1/hpz`` of the
-full buffer) so later gathers until the next step - the backward's above all - run inside the
-hpZ group only. With qgZ (stages 2-3) the gradient reduce-scatter becomes the hierarchical
-quantized all-to-all of `QuantizedReduceScatter`. Exact gathers (``exact=True``: checkpoints,
-``gathered_parameters``) bypass both.
+ZeRO++ (``zeropp``, stage 3): qwZ gathers the shard as INT8 plus block scales; hpZ keeps, from
+the first gather after a step, a *secondary shard* (``1/hpz`` of the buffer) so later gathers -
+backward's above all - stay inside the hpZ group. qgZ (stages 2-3) reduce-scatters gradients by
+`QuantizedReduceScatter`. Exact gathers (checkpoints, ``gathered_parameters``) bypass both.
 
 MixZ++ (``zeropp.quantized_nontrainable_weights``): a frozen stage-3 group quantizes its shard
-once, at construction, from the original fp32 values, and keeps only that (INT8 + block scales,
-``quantized_params`` in `held_bytes`). Every gather all-gathers the quantized shards and
-dequantizes to the compute dtype; with hpZ its secondary is a slice of those quantized rows and,
-since frozen weights never change, it is kept for the whole run.
+once, from the original fp32 values, and keeps only that (``quantized_params`` in `held_bytes`);
+gathers all-gather the quantized shards and dequantize them, and its hpZ secondary (a slice of
+those rows) is kept for the whole run, since frozen weights never change.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ from hf_zero.comm import (
     ZeroPPSettings,
     quantize_shard,
 )
-from hf_zero.grad_store import GradStore
+from hf_zero.grad_store import GradStore, start_copy
 from hf_zero.memory import group_held_bytes
 from hf_zero.partition import FlatLayout
 from hf_zero.quant import Quantized
@@ -124,13 +122,14 @@ class FlatParamGroup:
         else:
             self.flat_param = full32 if fp32 else full32.to(dtype)
             owner = self.flat_param
-        # In fp32, stage 0 steps the whole buffer and stage 3 steps its shard in place: the
-        # master weights *are* the parameters, no copy.
-        self.master_aliases_params = fp32 and stage in (0, 3) and not offload
+        # In fp32 the master weights *are* the parameters, no copy: stage 3 steps its shard in
+        # place, stages 0-2 this rank's region of flat_param (stages 1-2 then all-gather the
+        # other regions; stage 0's region is the whole buffer).
+        self.master_aliases_params = fp32 and not offload and owner is not None
         self.master: torch.nn.Parameter | None = None
         if self.trainable:
             if self.master_aliases_params:
-                master = owner
+                master = owner if stage == 3 else owner[start:end]
             elif offload:
                 master = self._host_empty(self.layout.shard_numel).copy_(full32[start:end])
             else:
@@ -170,6 +169,7 @@ class FlatParamGroup:
         self._ready = [False] * len(params)
         self.num_ready = 0
         self.launched = False
+        self._alone = len(params) == 1 and self.layout.padded_numel == params[0].numel()
         self._reduce_input: torch.Tensor | None = None  # stage 2-3: this backward's gradients
         self._reduce_output: torch.Tensor | None = None
         self._work = None
@@ -292,7 +292,12 @@ class FlatParamGroup:
                 view.copy_(p.grad)
                 p.grad = view
         else:
-            if self._reduce_input is None:
+            grad = p.grad.reshape(-1)
+            if self._reduce_input is None and self._alone and grad.dtype == self.reduce_dtype:
+                # One parameter fills the bucket (a large embedding): reduce its gradient
+                # itself. p.grad is cleared below, so autograd never writes into it again.
+                self._reduce_input = grad
+            elif self._reduce_input is None:
                 # Not zero-filled: each slot's first gradient is copied in, and what no
                 # gradient reached is zeroed at launch (a memset and a read saved per bucket).
                 self._reduce_input = torch.empty(
@@ -300,18 +305,21 @@ class FlatParamGroup:
                 )
             slot = self.layout.slots[i]
             target = self._reduce_input[slot.offset : slot.end]
-            if self._ready[i]:
-                target.add_(p.grad.reshape(-1))  # a second use in this backward
+            if target.data_ptr() == grad.data_ptr():
+                pass  # the gradient itself, taken above
+            elif self._ready[i]:
+                target.add_(grad)  # a second use in this backward
             else:
-                target.copy_(p.grad.reshape(-1))
+                target.copy_(grad)
             p.grad = None  # stages 2-3 never keep a full gradient beyond its bucket
         self.received = True
         if not self._ready[i]:
             self._ready[i] = True
             self.num_ready += 1
 
-    def launch_reduce(self, async_op: bool) -> None:
-        """Start this bucket's gradient reduction (all-reduce for stage 0, else reduce-scatter)."""
+    def launch_reduce(self, async_op: bool, output: torch.Tensor | None = None) -> None:
+        """Start this bucket's gradient reduction (all-reduce for stage 0, else reduce-scatter
+        into ``output``, ``shard_numel`` elements, or a new buffer)."""
         self.launched = True
         group = self.shard_group
         if self.stage == 0:
@@ -329,12 +337,20 @@ class FlatParamGroup:
             self._quantized_reduce.launch(self._reduce_input, async_op=async_op)
             return
         # Every element is written by the reduction: no zero fill.
-        self._reduce_output = torch.empty(
-            self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device
-        )
+        self._reduce_output = output if output is not None else self._new_shard()
         self._work = self.comm.reduce_scatter(
             self._reduce_output, self._reduce_input, group, async_op=async_op
         )
+        if self.stage >= 2:
+            # The full-size input is a backward's largest buffer: dropped here, it lives only
+            # until its reduction is done (the exchange or work handle holds it till then), not
+            # until the end of backward, so at most the buckets in flight are resident at once.
+            self._reduce_input = None
+
+    def wait_reduce(self) -> None:
+        """Wait for the launched reduction; `finish_reduce` still hands its result over."""
+        if self._work is not None:
+            self._work.wait()
 
     def _zero_unfilled(self, flat: torch.Tensor) -> None:
         """Zero what no gradient was copied into this backward: padding and unused slots."""
@@ -370,12 +386,7 @@ class FlatParamGroup:
             pass
         elif self.offload:
             host = self._host_empty(reduced.numel())
-            host.copy_(reduced, non_blocking=True)
-            done = None
-            if reduced.is_cuda:
-                done = torch.cuda.Event()
-                done.record()
-            self.grads.fold_host(host, done, accumulate)
+            self.grads.fold_host(host, start_copy(host, reduced), accumulate)
         elif self.stage == 0 and reduced is self.flat_grad and reduced.dtype != torch.float32:
             # 16-bit stage 0 reduced flat_grad itself: average it in place, as DDP does, so a
             # later synced backward before the step (DDP-style accumulation) adds to an average
@@ -397,8 +408,8 @@ class FlatParamGroup:
     def gather_params(self, async_op: bool):
         """Bring the parameters up to date with the stepped master weights."""
         self.drop_secondary()
-        if self.master_aliases_params:
-            return None
+        if self.master_aliases_params and self.stage in (0, 3):
+            return None  # the step updated the parameters themselves
         updated = self.master.detach()
         if self.offload:
             if not self._staged:
@@ -415,7 +426,7 @@ class FlatParamGroup:
         if self.stage == 3:
             self.shard.copy_(updated)  # the next forward gathers it
             return None
-        shard = updated.to(self.dtype)
+        shard = updated.to(self.dtype)  # fp32: flat_param's own region, gathered in place
         return self.comm.all_gather(self.flat_param, shard, self.shard_group, async_op=async_op)
 
     def stage_tile(self, start: int, end: int) -> None:
@@ -482,6 +493,9 @@ class FlatParamGroup:
 
     def _as_reduce_dtype(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
+
+    def _new_shard(self) -> torch.Tensor:
+        return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
     def _new_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)

@@ -168,6 +168,17 @@ class GradStore:
         )
 
 
+def start_copy(host: torch.Tensor, reduced: torch.Tensor):
+    """Start copying ``reduced`` into (pinned) ``host`` memory; the CUDA event that marks the
+    copy's end, or None where the copy is already done (CPU)."""
+    host.copy_(reduced, non_blocking=True)
+    if not reduced.is_cuda:
+        return None
+    done = torch.cuda.Event()
+    done.record()
+    return done
+
+
 def _shares(t: torch.Tensor, buffer: torch.Tensor | None) -> bool:
     return (
         buffer is not None and t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

@@ -7,8 +7,8 @@ parameter), hf_zero holds, per rank, at the model-state peak (see "resident" bel
 stage  parameters      gradients                 fp32 master weights  Adam state    bf16 total
 =====  ==============  ========================  ===================  ============  =============
 0      b P             b P                       4 P (0 in fp32)      8 P           16P
-1      b P             b P                       4 P/N                8 P/N         4P + 12P/N
-2      b P             b P/N  (4 P/N: see below)  4 P/N                8 P/N         2P + 14P/N
+1      b P             b P                       4 P/N (0 in fp32)    8 P/N         4P + 12P/N
+2      b P             b P/N  (4 P/N: see below)  4 P/N (0 in fp32)    8 P/N         2P + 14P/N
 3      b P/N           b P/N  (4 P/N: see below)  4 P/N (0 in fp32)    8 P/N         16P/N
 =====  ==============  ========================  ===================  ============  =============
 
@@ -65,7 +65,7 @@ def model_state_bytes(
     report = {
         "params": b * (P / N if stage == 3 else P),
         "grads": grads,
-        "master_weights": 0.0 if precision == "fp32" and stage in (0, 3) else 4 * shard,
+        "master_weights": 0.0 if precision == "fp32" else 4 * shard,
         "optimizer_states": optimizer_bytes_per_param * shard,
     }
     host = dict.fromkeys(("host_grads", "host_master_weights", "host_optimizer_states"), 0.0)

@@ -4,7 +4,10 @@ A post-accumulate-grad hook on every trainable parameter hands its gradient to i
 `FlatParamGroup`. When a bucket is complete its reduction is launched asynchronously, so it
 overlaps the rest of backward. Buckets are always launched in one fixed order on every rank (a
 ready bucket waits for the buckets before it), because collectives must match across ranks even
-when data-dependent control flow makes gradients arrive in a different order. A callback queued on
+when data-dependent control flow makes gradients arrive in a different order. At most
+``max_inflight_numel`` elements of buckets are in flight (stages 1-3): a launch first waits for the
+oldest reductions, since each holds its full-size input and receive buffers until it is done, and
+when communication is slower than backward an unbounded queue held the whole gradient twice over. A callback queued on
 the autograd engine finishes the pass: it launches buckets that never filled (unused parameters
 count as zero gradients), waits for all reductions, and counts the micro-step. Because the hooks
 do the work, ``loss.backward()`` and ``engine.backward(loss)`` behave the same.
@@ -30,8 +33,12 @@ class GradientReducer:
         overlap_comm: bool,
         control: Group,
         comm: Collectives | None = None,
+        max_inflight_numel: int | None = None,
     ) -> None:
         self.groups = groups
+        self.max_inflight_numel = max_inflight_numel
+        self._inflight: list[FlatParamGroup] = []
+        self._slabs: dict[tuple, list] = {}  # this backward's output slabs: [tensor, used]
         self.control = control
         self.comm = (comm or Collectives()).for_purpose("control")  # the received-flags max
         self.stage = stage
@@ -79,8 +86,44 @@ class GradientReducer:
             group = self.groups[self._next_launch]
             if only_ready and not group.all_ready:
                 return
-            group.launch_reduce(async_op=True)
+            self._bound_inflight(group.numel)
+            group.launch_reduce(async_op=True, output=self._output_for(group))
+            if self.stage > 0 and group._quantized_reduce is None:
+                self._inflight.append(group)
             self._next_launch += 1
+
+    def _output_for(self, group: FlatParamGroup) -> torch.Tensor | None:
+        """Stages 2-3: the bucket's reduced shard as a view of one slab per backward.
+
+        The shards live from backward to the step, while backward allocates and frees
+        transients around them; one slab (allocated once, its pages touched as the shards are
+        written, freed whole when the step releases the last of them) kept them from
+        fragmenting the heap.
+        """
+        if self.stage < 2 or group._quantized_reduce is not None:
+            return None
+        key = (group.reduce_dtype, group.device)
+        if key not in self._slabs:
+            members = [
+                g
+                for g in self.groups
+                if (g.reduce_dtype, g.device) == key and g._quantized_reduce is None
+            ]
+            numel = sum(g.layout.shard_numel for g in members)
+            self._slabs[key] = [torch.empty(numel, dtype=key[0], device=key[1]), 0]
+        slab = self._slabs[key]
+        start, slab[1] = slab[1], slab[1] + group.layout.shard_numel
+        return slab[0][start : slab[1]]
+
+    def _bound_inflight(self, numel: int) -> None:
+        """Wait for the oldest reductions until ``numel`` more fits under the limit (one bucket
+        always may go: a bucket larger than the limit waits for the others, then runs alone)."""
+        if self.max_inflight_numel is None:
+            return
+        while self._inflight and (
+            sum(g.numel for g in self._inflight) + numel > self.max_inflight_numel
+        ):
+            self._inflight.pop(0).wait_reduce()
 
     def _finish_backward(self) -> None:
         if self._sync_this_backward:
@@ -92,6 +135,8 @@ class GradientReducer:
             for group in self.groups:
                 group.reset_backward()
         self._next_launch = 0
+        self._inflight.clear()
+        self._slabs.clear()
         self._in_backward = False
         self.micro_steps += 1
         if self.on_backward_end is not None:

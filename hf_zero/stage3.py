@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 
 from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.stage3_saved import SavedWeightViews
 from hf_zero.stage3_units import assign_params_to_units, find_units  # noqa: F401 (re-exported)
 from hf_zero.topology import Group
 
@@ -123,6 +124,8 @@ class Zero3Coordinator:
         self._prefetched: set[int] = set()
         self.stats = {"prefetch_hits": 0, "on_demand_gathers": 0}
         """How often a unit found its parameters already on the way (prefetched) or not."""
+        self.saved = SavedWeightViews(gather=self._gather_on_demand)
+        """Keeps autograd's saved views of gathered weights from pinning released buffers."""
         self._handles = []
         for unit in units:
             if unit.groups:
@@ -147,6 +150,8 @@ class Zero3Coordinator:
     def _pre_forward(self, unit: Unit, args, kwargs):
         if unit.is_root and not _in_backward():
             self._fwd_cursor = 0
+            if torch.is_grad_enabled():
+                self.saved.enter()
         self._check("enter", unit.index)
         if self._recording is not None and torch.is_grad_enabled() and not _in_backward():
             self._recording[0].append(unit.index)
@@ -165,6 +170,7 @@ class Zero3Coordinator:
         )
         if unit.is_root:
             if not _in_backward():
+                self.saved.exit()
                 self._check("forward end", -1)
             if not needs_backward:
                 self.release_all()
@@ -223,6 +229,14 @@ class Zero3Coordinator:
         elif not unit.is_gathered:
             self.stats["on_demand_gathers"] += 1
         gather_groups(unit.groups)
+        for group in unit.groups:
+            self.saved.track(group)
+
+    def _gather_on_demand(self, group: FlatParamGroup) -> None:
+        """Backward needs a released group's weights (used outside its unit); released with
+        everything else at the end of backward."""
+        self.stats["on_demand_gathers"] += 1
+        gather_groups([group])
 
     def _prefetch(self, trace: list[int] | None, cursor_name: str, unit: Unit) -> None:
         """Start gathering the units that follow ``unit`` in ``trace``, within the budgets."""
@@ -243,6 +257,7 @@ class Zero3Coordinator:
                 break
             for group in nxt.groups:
                 group.gather(async_op=True)
+                self.saved.track(group)
             self._prefetched.add(index)
             budget -= nxt.numel
             live += nxt.numel

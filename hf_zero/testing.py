@@ -15,6 +15,9 @@ group starts in about a second. ``body`` must be importable (a module-level func
 that raises makes the call raise ``AssertionError`` with every failing rank's traceback; a group
 that has not finished within ``timeout`` seconds is killed and reported, so a hang fails the test
 instead of stalling CI.
+
+The backend is gloo on CPU, or NCCL with ``HF_ZERO_TEST_DEVICE=cuda`` (rank ``r`` on
+``cuda:r``; NCCL refuses two ranks on one GPU, so a one-GPU machine runs one rank).
 """
 
 from __future__ import annotations
@@ -67,8 +70,12 @@ def _worker(
     import torch.distributed as dist
 
     try:
+        backend = "gloo"
+        if os.environ.get("HF_ZERO_TEST_DEVICE") == "cuda":
+            backend = "nccl"
+            torch.cuda.set_device(rank % node_size)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
         value = fn(*args, **kwargs)
         buffer = io.BytesIO()

@@ -6,6 +6,7 @@ Everything here runs inside ranks started by ``hf_zero.testing.run_distributed``
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,10 @@ MODEL = dict(
 BUCKET = 4000  # elements; the embedding (251 x 40 = 10040) is larger than a bucket
 FROZEN = "model.layers.0.input_layernorm.weight"
 SEQ, BATCH = 16, 2
+DEVICE = torch.device(os.environ.get("HF_ZERO_TEST_DEVICE", "cpu"))
+"""Where the ranks compute: CPU everywhere but the GPU lane (scripts/gpu_check.py sets
+``HF_ZERO_TEST_DEVICE=cuda``: one rank, NCCL, ``cuda:0``). hf_zero itself takes its device from
+the launch environment; the DDP reference and the batches follow this."""
 
 
 def build_model(seed: int = 0, checkpointing: bool = False, **overrides) -> torch.nn.Module:
@@ -35,6 +40,23 @@ def build_model(seed: int = 0, checkpointing: bool = False, **overrides) -> torc
     if checkpointing:
         model.activation_checkpointing_enable()
     return model
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(seed: int = 0) -> torch.nn.Module:
+    """A PEFT LoRA (r 8) over every linear layer of a tiny Llama with larger weights (0.3)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(seed, initializer_range=0.3)
+    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+
+
+def lora_engine(model: torch.nn.Module, lr: float = 3e-3, **cfg):
+    """Stage 3 over ``model``'s adapters (AdamW on the trainable parameters only)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=lr), stage=3, **cfg)
 
 
 def two_param_groups(model: torch.nn.Module, lr: float = 1e-3) -> list[dict]:
@@ -48,7 +70,7 @@ def two_param_groups(model: torch.nn.Module, lr: float = 1e-3) -> list[dict]:
 
 def batch(rank: int, step: int, micro: int, vocab: int = MODEL["vocab_size"]) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=g).to(DEVICE)
 
 
 def named_fp32(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,6 +106,8 @@ def train_ddp(
     model = build_model(seed, checkpointing, **(model_kwargs or {}))
     master = build_model(seed, **(model_kwargs or {})) if precision != "fp32" else model
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    model.to(DEVICE)
+    master.to(DEVICE)
     for p in model.parameters():  # buffers (rotary inv_freq) stay fp32, as in HF bf16 models
         p.data = p.data.to(dtype)
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
@@ -183,7 +207,7 @@ def train_on_corpus(engine, steps: int, seq_len: int = 64, batch_size: int = 4) 
     batches = token_batches(seq_len, batch_size, dist.get_rank(), dist.get_world_size(), seed=0)
     losses = []
     for _ in range(steps):
-        x = next(batches)
+        x = next(batches).to(DEVICE)
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()

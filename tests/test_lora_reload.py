@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import build_model, rel_diff, train_on_corpus
+from helpers import build_model, lora_engine, lora_model, rel_diff, train_on_corpus
 
 import hf_zero
 from hf_zero.consolidate import consolidate
@@ -42,7 +42,6 @@ QUICK_START = [
     "--disable_tqdm",
     "true",
 ]  # fmt: skip  (the Makefile's `make train`, plus checkpoints below)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 
@@ -184,17 +183,12 @@ def test_consolidate_takes_frozen_parameters_from_the_saved_model(tmp_path):
 
 
 def _train_int4_bf16(out_dir: str) -> dict:
-    from peft import LoraConfig, get_peft_model
-
     from hf_zero.integrations.reload import save_training_record
 
-    base = tiny_llama(0, initializer_range=0.3)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine = hf_zero.initialize(
+    model = lora_model()
+    engine = lora_engine(
         model,
-        torch.optim.AdamW(trainable, lr=1e-2),
-        stage=3,
+        lr=1e-2,
         precision="bf16",
         quantized_nontrainable_weights=True,
         quantized_weights_bits=4,

@@ -14,25 +14,10 @@ Tolerances, and why:
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import train_on_corpus
+from helpers import lora_engine, lora_model, train_on_corpus
 
-import hf_zero
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, token_batches
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def lora_model(seed: int = 0):
-    from peft import LoraConfig, get_peft_model
-
-    base = tiny_llama(seed, initializer_range=0.3)
-    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
-
-
-def lora_engine(model, **cfg):
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=3e-3), stage=3, **cfg)
 
 
 def _memory(world: int) -> dict:

@@ -14,6 +14,7 @@ from helpers import (
     build_model,
     max_loss_diff,
     max_param_diff,
+    named_fp32,
     train_ddp,
     train_zero,
     two_param_groups,
@@ -189,3 +190,27 @@ def test_offload_kernel_swap_is_said_and_can_be_turned_off(fast_kernel):
         assert len(r["logged"]) == expected, r["logged"]
         if not fast_kernel:
             assert r["equal_to_on_device"]
+
+
+def _copy_back(overlap: bool) -> dict:
+    model = build_model()
+    engine = hf_zero.initialize(
+        model,
+        cpu_adam(two_param_groups(model)),
+        stage=3,
+        offload_optimizer="cpu",
+        reduce_bucket_size=BUCKET,
+        **ZERO3,
+    )
+    engine.optimizer.overlap_copy_back = overlap  # the GPU benchmark's switch
+    for step in range(3):
+        x = batch(dist.get_rank(), step, 0)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    return named_fp32(model)
+
+
+def test_copy_back_overlap_changes_no_value():
+    tiled, whole = (run_distributed(_copy_back, 2, args=(o,)) for o in (True, False))
+    for a, b in zip(tiled, whole):
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -112,7 +112,15 @@ class Background:
     def submit(self, start: Callable[[], Exchange]) -> Pending:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-exchange")
-        return Pending(self._pool.submit(lambda: start().wait()))
+        box = [start]
+
+        def run() -> None:
+            # Drop the exchange (and the buffers it reads) before the result is set: the pool
+            # keeps its work item until after `wait()` has returned, which kept a bucket's input
+            # alive past the end of backward.
+            box.pop()().wait()
+
+        return Pending(self._pool.submit(run))
 
 
 class Pending:

@@ -156,6 +156,10 @@ class ShardedOptimizer:
                 else " instead of its for-loop/foreach one (same formula, last-bit rounding differs)",
             )
         self._group_of_master = {id(g.master): g for g in groups}
+        self.overlap_copy_back = True
+        """Offload: copy each updated tile of master weights to the device while the CPU updates
+        the next (False: copy every shard after the whole step; benchmarks/bench_gpu_offload.py
+        times both)."""
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping, from the last clip (None if not computed)."""
         self.last_grad_norm_post_clip: float | None = None
@@ -244,15 +248,13 @@ class ShardedOptimizer:
         """Step the user's optimizer; offloaded Adam/AdamW takes the tiled fused CPU path, and
         each finished tile starts its copy back to the device while the next is updated."""
         if not self.offload:
-            if any(g.grads.lazy for g in self.groups):
-                self._step_bucket_by_bucket()
-            else:
-                self.optimizer.step()
+            self._step_bucket_by_bucket()
             return
 
-        def on_tile(master: torch.Tensor, start: int, end: int) -> None:
+        def copy_back(master: torch.Tensor, start: int, end: int) -> None:
             self._group_of_master[id(master)].stage_tile(start, end)
 
+        on_tile = copy_back if self.overlap_copy_back else None
         if isinstance(self.optimizer, CPUAdam):
             self.optimizer.on_tile = on_tile
             self.optimizer.step()
@@ -262,11 +264,13 @@ class ShardedOptimizer:
             self.optimizer.step()  # any other elementwise optimizer, untiled
 
     def _step_bucket_by_bucket(self) -> None:
-        """16-bit gradients: convert one bucket's to fp32, step it, free it, then the next, so
-        at most one bucket's fp32 gradient exists (DeepSpeed's stage 1-2 steps one param group
-        at a time for the same reason). The optimizer's ``step()`` (and its hooks) runs once per
-        bucket, with ``param_groups`` narrowed to that bucket's master; elementwise optimizers
-        compute exactly what one call over all buckets would."""
+        """Step one bucket at a time. 16-bit gradients: convert one bucket's to fp32, step it,
+        free it, then the next, so at most one bucket's fp32 gradient exists (DeepSpeed's stage
+        1-2 steps one param group at a time for the same reason). Any precision: an optimizer's
+        temporaries (foreach AdamW makes one the size of everything it steps) are one bucket's,
+        not the whole shard's. The optimizer's ``step()`` (and its hooks) runs once per bucket,
+        with ``param_groups`` narrowed to that bucket's master; elementwise optimizers compute
+        exactly what one call over all buckets would."""
         optimizer, param_groups = self.optimizer, self.optimizer.param_groups
         members = [group["params"] for group in param_groups]
         try:
