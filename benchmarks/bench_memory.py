@@ -81,17 +81,11 @@ def reset_peak() -> bool:
 
 # --- one rank ----------------------------------------------------------------------------------
 def model_config(args):
+    from common import llama_shape
+
     from hf_zero.tiny import tiny_llama_config
 
-    return tiny_llama_config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64),
-        max_position_embeddings=args.seq_len,
-    )
+    return tiny_llama_config(**llama_shape(args.hidden, args.layers, args.vocab, args.seq_len))
 
 
 def worker(args) -> dict:

