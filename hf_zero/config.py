@@ -336,13 +336,6 @@ class ZeroConfig:
                 "zero config: 'offload_optimizer' = 'cpu' needs 'stage' 1, 2 or 3 "
                 "(stage 0 keeps no sharded optimizer to offload)"
             )
-        if self.offload_param != "none":
-            # Refused here, while arguments are parsed, not after the model is built.
-            raise NotImplementedError(
-                f"hf_zero: 'offload_param' = {self.offload_param!r} asks for parameter offload "
-                "(ZeRO-Infinity), which this version does not implement yet (see "
-                "docs/STATUS.md); use 'offload_optimizer' with the ZeRO stages"
-            )
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "

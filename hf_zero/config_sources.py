@@ -16,6 +16,7 @@ ENV_VAR = "HF_ZERO_CONFIG"
 CLI_FLAGS = {
     "zero_stage": "stage",
     "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_param",
     "zero_quantized_weights": "quantized_weights",
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",

@@ -194,7 +194,7 @@ KEYS: dict[str, Fate] = {
         REFUSED, "the old spelling: use `offload_optimizer: {device: cpu}`", _truthy
     ),
     "zero_optimization.cpu_offload_params": Fate(
-        REFUSED, "parameter offload (ZeRO-Infinity) is not implemented", _truthy
+        REFUSED, "the old spelling: use `offload_param: {device: cpu}`", _truthy
     ),
     "zero_optimization.cpu_offload_use_pin_memory": Fate(
         INHERENT, "host buffers are pinned whenever a GPU is present"
@@ -224,11 +224,7 @@ KEYS: dict[str, Fate] = {
     "zero_optimization.offload_optimizer.fast_init": Fate(NO_EFFECT, "NVMe only"),
     "zero_optimization.offload_optimizer.nvme_path": Fate(NO_EFFECT, "NVMe only"),
     "zero_optimization.offload_param": _SECTION,
-    "zero_optimization.offload_param.device": Fate(
-        REFUSED,
-        "parameter offload (ZeRO-Infinity) is not implemented yet; use `offload_optimizer`",
-        lambda v: v not in ("none", None),
-    ),
+    "zero_optimization.offload_param.device": _h("offload_param", "cpu"),
     "zero_optimization.offload_param.pin_memory": Fate(
         INHERENT, "host buffers are pinned whenever a GPU is present"
     ),

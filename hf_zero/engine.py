@@ -370,11 +370,12 @@ class ZeroEngine:
         Counts the tensors themselves (flat buffers, shards, optimizer state), not allocator
         caches, so the figures can be checked against the ZeRO formulas. ``host_grads``,
         ``host_master_weights`` and ``host_optimizer_states`` are what ZeRO-Offload keeps in CPU
-        memory instead; ``total`` sums the device kinds, ``host_total`` the host ones.
+        memory instead, ``host_params`` the shards ``offload_param: cpu`` keeps there;
+        ``total`` sums the device kinds, ``host_total`` the host ones.
         """
         device_kinds = ("params", "grads", "master_weights", "optimizer_states")
         report = dict.fromkeys(device_kinds, 0)
-        report.update(dict.fromkeys(("host_" + k for k in device_kinds[1:]), 0))
+        report.update(dict.fromkeys(("host_" + k for k in device_kinds), 0))
         device_kinds += ("secondary_params", "quantized_params")
         report.update(secondary_params=0, quantized_params=0)
         for group in self.groups + self.frozen_groups:

@@ -57,6 +57,7 @@ from hf_zero.grad_store import GradStore, start_copy
 from hf_zero.memory import group_held_bytes
 from hf_zero.partition import FlatLayout
 from hf_zero.quant import Quantized
+from hf_zero.shard_tiers import TIERS, DeviceTier
 from hf_zero.topology import Group
 
 
@@ -77,6 +78,7 @@ class FlatParamGroup:
         comm: Collectives,
         offload: bool = False,
         zeropp: ZeroPPSettings | None = None,
+        param_tier: str = "none",
     ) -> None:
         self.index = index
         self.zeropp = zeropp or ZeroPPSettings()
@@ -108,7 +110,7 @@ class FlatParamGroup:
         start, end = self.layout.shard_range(self.shard_index)
         fp32 = dtype == torch.float32
         self.flat_param: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None
+        self.tier: DeviceTier | None = None  # stage 3: where the 16-bit shard lives
         self.quantized_shard: Quantized | None = None  # MixZ++: the frozen shard, for good
         zpp = self.zeropp
         if stage == 3 and not self.trainable and zpp.quantized_nontrainable_weights:
@@ -117,8 +119,8 @@ class FlatParamGroup:
             )
             owner = None
         elif stage == 3:
-            self.shard = full32[start:end].to(dtype, copy=True)
-            owner = self.shard
+            self.tier = TIERS[param_tier](full32[start:end].to(dtype), self.device)
+            owner = self.tier.data if param_tier == "none" else None
         else:
             self.flat_param = full32 if fp32 else full32.to(dtype)
             owner = self.flat_param
@@ -208,14 +210,14 @@ class FlatParamGroup:
             )
             self._keep_secondary = zpp.hpz is not None
         elif not exact and zpp.quantized_weights and self.shard_group.size > 1:
-            local = quantize_shard(self.shard, zpp.weight_bits, zpp.block_size)
+            local = quantize_shard(self.tier.fetch(), zpp.weight_bits, zpp.block_size)
             self._gather_work = QuantizedGather(
                 self.comm, self.flat_param, local, self.shard_group, async_op
             )
             self._keep_secondary = zpp.hpz is not None
         else:
             self._gather_work = self.comm.all_gather(
-                self.flat_param, self.shard, self.shard_group, async_op=async_op
+                self.flat_param, self.tier.fetch(), self.shard_group, async_op=async_op
             )
             self._keep_secondary = not exact and zpp.hpz is not None
         if not async_op:
@@ -424,22 +426,20 @@ class FlatParamGroup:
             self.flat_param.copy_(updated)
             return None
         if self.stage == 3:
-            self.shard.copy_(updated)  # the next forward gathers it
+            self.tier.write_(updated)  # the next forward gathers it
             return None
         shard = updated.to(self.dtype)  # fp32: flat_param's own region, gathered in place
         return self.comm.all_gather(self.flat_param, shard, self.shard_group, async_op=async_op)
 
     def stage_tile(self, start: int, end: int) -> None:
         """Offload: start copying updated master elements ``[start, end)`` to the device."""
+        tile = self.master.detach()[start:end]
         if self.stage == 3:
-            target = self.shard
+            self.tier.write_(tile, start, non_blocking=True)
         else:
             if self._staging is None:
-                self._staging = torch.empty(
-                    self.layout.shard_numel, dtype=self.dtype, device=self.device
-                )
-            target = self._staging
-        target[start:end].copy_(self.master.detach()[start:end], non_blocking=True)
+                self._staging = self._new_shard(self.dtype)
+            self._staging[start:end].copy_(tile, non_blocking=True)
         self._staged = True
 
     def publish_from(self, src: int) -> None:
@@ -448,13 +448,11 @@ class FlatParamGroup:
         self.comm.broadcast(self.flat_param, src, self.shard_group)
         self._secondary = None
         start, end = self.layout.shard_range(self.shard_index)
-        if self.shard is not None:
-            self.shard.copy_(self.flat_param[start:end])
+        if self.tier is not None:
+            self.tier.write_(self.flat_param[start:end])
         if self.quantized_shard is not None:
-            zpp = self.zeropp
-            self.quantized_shard = quantize_shard(
-                self.flat_param[start:end], zpp.weight_bits, zpp.block_size
-            )
+            bits, block = self.zeropp.weight_bits, self.zeropp.block_size
+            self.quantized_shard = quantize_shard(self.flat_param[start:end], bits, block)
         if self.master is not None and not self.master_aliases_params:
             self.master.data.copy_(self.flat_param[start:end].float())
 
@@ -494,8 +492,9 @@ class FlatParamGroup:
     def _as_reduce_dtype(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.reduce_dtype else t.to(self.reduce_dtype)
 
-    def _new_shard(self) -> torch.Tensor:
-        return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+    def _new_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.reduce_dtype
+        return torch.empty(self.layout.shard_numel, dtype=dtype, device=self.device)
 
     def _new_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)

@@ -129,6 +129,7 @@ class GroupBuilder:
                 comm=self.comm,
                 offload=pg_index is not None and self.config.offload_optimizer == "cpu",
                 zeropp=self.zeropp,
+                param_tier=self.config.offload_param if stage == 3 else "none",
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()

@@ -90,7 +90,9 @@ def group_held_bytes(group) -> dict[str, int]:
     side of the formulas above. ``host_*`` kinds are in host memory (offload)."""
     from hf_zero.quant import Quantized
 
-    params = _nbytes(group.flat_param) + _nbytes(group.shard) + _nbytes(group._staging)
+    params = _nbytes(group.flat_param) + _nbytes(group._staging)
+    tier = group.tier.held_bytes() if group.tier is not None else {}
+    params += tier.pop("params", 0)  # a device shard; an offloaded one stays "host_params"
     grads = _nbytes(group.flat_grad)
     master = group.master
     master_grad = group.grads.held_bytes(group.flat_grad) if group.grads is not None else 0
@@ -109,7 +111,7 @@ def group_held_bytes(group) -> dict[str, int]:
         kinds = {"grads": grads, "host_grads": master_grad, "host_master_weights": master_bytes}
     else:
         kinds = {"grads": grads + master_grad, "master_weights": master_bytes}
-    return {**extra, "params": params, **kinds}
+    return {**extra, **tier, "params": params, **kinds}
 
 
 def _nbytes(t) -> int:
@@ -148,7 +150,8 @@ WHY_NOT_PAPER = (
     "purpose: with gradient accumulation (--gradient-accumulation-steps > 1) stages 2-3 sum "
     "micro-batches in an fp32 gradient shard from the second micro-batch to the step (+2P/N, "
     "exact accumulation); offload keeps that fp32 shard in host memory. The paper has no fp32 "
-    "column; in fp32 compare against hf_zero's only."
+    "column; in fp32 compare against hf_zero's only (there the master weights are the "
+    "parameters themselves, no copy, unless offloaded)."
 )
 """Where `formula` equals `PAPER_FORMULA`, where it keeps more and why (``hf-zero estimate``)."""
 

@@ -5,12 +5,13 @@ A post-accumulate-grad hook on every trainable parameter hands its gradient to i
 overlaps the rest of backward. Buckets are always launched in one fixed order on every rank (a
 ready bucket waits for the buckets before it), because collectives must match across ranks even
 when data-dependent control flow makes gradients arrive in a different order. At most
-``max_inflight_numel`` elements of buckets are in flight (stages 2-3): a launch first waits for the
-oldest reductions, since each holds its full-size input and receive buffers until it is done, and
-when communication is slower than backward an unbounded queue held the whole gradient twice over. A callback queued on
-the autograd engine finishes the pass: it launches buckets that never filled (unused parameters
-count as zero gradients), waits for all reductions, and counts the micro-step. Because the hooks
-do the work, ``loss.backward()`` and ``engine.backward(loss)`` behave the same.
+``max_inflight_numel`` elements of buckets are in flight (stages 2-3): a launch first waits for
+the oldest reductions, since each holds its full-size input and receive buffers until it is done,
+and when communication is slower than backward an unbounded queue held the whole gradient twice
+over. A callback queued on the autograd engine finishes the pass: it launches buckets that never
+filled (unused parameters count as zero gradients), waits for all reductions, and counts the
+micro-step. Because the hooks do the work, ``loss.backward()`` and ``engine.backward(loss)``
+behave the same.
 """
 
 from __future__ import annotations

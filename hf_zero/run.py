@@ -56,6 +56,7 @@ def _int_or_auto(text: str) -> int | str:
 PARSERS = {
     "stage": int,
     "offload_optimizer": str,
+    "offload_param": str,
     "quantized_weights": _bool,
     "hpz_partition_size": _int_or_auto,
     "quantized_gradients": _bool,

@@ -107,7 +107,8 @@ def _config_file(name: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name", sorted(p.name for p in (ROOT / "configs" / "zero").iterdir() if p.suffix == ".yaml")
+    "name",
+    sorted(p.name for p in (ROOT / "configs" / "zero").iterdir() if p.suffix in (".yaml", ".json")),
 )
 def test_every_zero_config_file_runs_or_says_why_not(name):
     for r in run_distributed(_config_file, 2, args=(name,)):

@@ -62,8 +62,8 @@ def test_missing_optimizer_and_unfinished_features(single_rank):
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="'tp_size' = 2 must divide the world size 1"):
         hf_zero.initialize(model, opt, stage=2, tp_size=2)
-    with pytest.raises(NotImplementedError, match="'offload_param' = 'cpu' asks for parameter"):
-        hf_zero.initialize(model, opt, stage=3, offload_param="cpu")
+    with pytest.raises(ValueError, match="'offload_param' = 'cpu' needs 'stage' = 3; got stage 2"):
+        hf_zero.initialize(model, opt, stage=2, offload_param="cpu")
 
 
 def test_optimizer_from_deepspeed_section(single_rank):

@@ -55,6 +55,9 @@ class ZeroTrainingArguments(TrainingArguments):
     offload_optimizer: str | None = field(
         default=None, metadata={"help": "'cpu': optimizer state and master weights in CPU memory"}
     )
+    offload_param: str | None = field(
+        default=None, metadata={"help": "'cpu' (stage 3): parameter shards in CPU memory"}
+    )
     zero_quantized_weights: bool | None = field(
         default=None, metadata={"help": "ZeRO++ qwZ: INT8 weight all-gather (stage 3)"}
     )
