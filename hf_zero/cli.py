@@ -136,23 +136,24 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         + (f", {gas} micro-batches per step" if gas > 1 else "")
     )
     print(
-        f"{'stage':>5} {'offload':>8} {'device GiB':>11} {'host GiB':>9} {'+ working set':>14} "
+        f"{'stage':>5} {'offload':>9} {'device GiB':>11} {'host GiB':>9} {'+ working set':>14} "
         f"{'hf_zero':>12} {'ZeRO paper':>11}"
     )
-    for stage in (0, 1, 2, 3):
-        for offload in (False, True):
-            if offload and stage == 0:
-                continue
-            m = estimate(
-                shape, args.dp, stage, args.precision, offload, args.tp,
-                args.hpz, frozen, args.mixz, gradient_accumulation_steps=gas,
-            )  # fmt: skip
-            work = working_set_bytes(shape, stage, args.precision, args.tp)
-            print(
-                f"{stage:>5} {offload!s:>8} {m['total'] / gib:>11.2f} "
-                f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} "
-                f"{formula(stage, args.precision, offload, gas):>12} {PAPER_FORMULA[stage]:>11}"
-            )
+    # (stage, offload_optimizer, offload_param): the last row is ZeRO-Infinity's CPU tier
+    rows = [(0, False, False)] + [(s, o, False) for s in (1, 2, 3) for o in (False, True)]
+    for stage, offload, offload_param in [*rows, (3, True, True)]:
+        m = estimate(
+            shape, args.dp, stage, args.precision, offload, args.tp, args.hpz, frozen,
+            args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param,
+        )  # fmt: skip
+        work = working_set_bytes(shape, stage, args.precision, args.tp)
+        label = "opt+param" if offload_param else str(offload)
+        hf = formula(stage, args.precision, offload, gas, offload_param)
+        print(
+            f"{stage:>5} {label:>9} {m['total'] / gib:>11.2f} "
+            f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} "
+            f"{hf:>12} {PAPER_FORMULA[stage]:>11}"
+        )
     if shape.hidden:
         for ckpt in (False, True):
             act = activation_bytes(

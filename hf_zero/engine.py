@@ -190,6 +190,8 @@ class ZeroEngine:
         ]
         if config.offload_optimizer != "none":
             parts.append(f"optimizer offloaded to {config.offload_optimizer}")
+        if config.offload_param != "none":
+            parts.append(f"parameter shards offloaded to {config.offload_param}")
         if zpp.quantized_weights:
             parts.append(f"qwZ INT{zpp.weight_bits} weight gather")
         if zpp.hpz is not None:

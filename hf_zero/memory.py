@@ -29,8 +29,10 @@ bucket shard), the optimizer's own temporaries, stage 3's gathered units (`worki
 activations (`activation_bytes`) and allocator caches.
 
 With ``offload=True`` the master weights, Adam state and an fp32 gradient shard (4 P/N, as CPU
-Adam reads it; freed at the step) are host memory. Padding (at most ``8 N`` elements per bucket)
-and small persistent parameters under stage 3 come on top.
+Adam reads it; freed at the step) are host memory; with ``offload_param=True`` (stage 3) so are
+the parameter shards (``host_params``, b P/N), and in fp32 the master weights are then a separate
+copy (4 P/N). Padding (at most ``8 N`` elements per bucket) and small persistent parameters under
+stage 3 come on top.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ def model_state_bytes(
     optimizer_bytes_per_param: int = 8,
     gradient_accumulation_steps: int = 1,
     between_steps: bool = False,
+    offload_param: bool = False,
 ) -> dict[str, float]:
     """Estimated bytes per rank by kind, named as in `ZeroEngine.memory_report`, at the
-    model-state peak (or, ``between_steps``, after the optimizer step)."""
+    model-state peak (or, ``between_steps``, after the optimizer step). ``offload_param``
+    (stage 3) moves the parameter shards to ``host_params``."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage = {stage!r}; allowed: 0, 1, 2, 3")
     if precision not in BYTES:
@@ -65,10 +69,16 @@ def model_state_bytes(
     report = {
         "params": b * (P / N if stage == 3 else P),
         "grads": grads,
-        "master_weights": 0.0 if precision == "fp32" else 4 * shard,
+        # fp32: the parameters themselves, unless they are offloaded (then a device copy)
+        "master_weights": 0.0 if precision == "fp32" and not offload_param else 4 * shard,
         "optimizer_states": optimizer_bytes_per_param * shard,
     }
-    host = dict.fromkeys(("host_grads", "host_master_weights", "host_optimizer_states"), 0.0)
+    kinds = ("host_params", "host_grads", "host_master_weights", "host_optimizer_states")
+    host = dict.fromkeys(kinds, 0.0)
+    if offload_param:
+        if stage != 3:
+            raise ValueError("offload_param needs stage 3")
+        host["host_params"], report["params"] = report["params"], 0.0
     if offload:
         if stage == 0:
             raise ValueError("offload needs stage 1, 2 or 3")
@@ -127,13 +137,17 @@ PAPER_FORMULA = {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"}
 
 
 def formula(
-    stage: int, precision: str = "bf16", offload: bool = False, gradient_accumulation_steps: int = 1
+    stage: int,
+    precision: str = "bf16",
+    offload: bool = False,
+    gradient_accumulation_steps: int = 1,
+    offload_param: bool = False,
 ) -> str:
     """hf_zero's device model states for ``stage`` as text (``"2P + 14P/N"``), read off
     `model_state_bytes` itself so the two cannot disagree."""
-    gas = gradient_accumulation_steps
-    one = model_state_bytes(1, 1, stage, precision, offload, gradient_accumulation_steps=gas)
-    two = model_state_bytes(1, 2, stage, precision, offload, gradient_accumulation_steps=gas)
+    kw = dict(gradient_accumulation_steps=gradient_accumulation_steps, offload_param=offload_param)
+    one = model_state_bytes(1, 1, stage, precision, offload, **kw)
+    two = model_state_bytes(1, 2, stage, precision, offload, **kw)
     one, two = one["total"], two["total"]
     per_n = 2 * (one - two)  # total = a P + c P/N
     whole = one - per_n
@@ -216,6 +230,7 @@ def estimate(
     mixz: bool = False,
     gradient_accumulation_steps: int = 1,
     between_steps: bool = False,
+    offload_param: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes by kind (as `ZeroEngine.memory_report` names them) for a whole model.
 
@@ -235,12 +250,14 @@ def estimate(
         offload,
         gradient_accumulation_steps=gradient_accumulation_steps,
         between_steps=between_steps,
+        offload_param=offload_param,
     )
     mixz = mixz and stage == 3  # MixZ++ needs stage 3; below it the base is replicated
     if mixz:
         report["quantized_params"] = frozen / dp_size * (1 + QUANT_SCALE_OVERHEAD)
     else:
-        report["params"] += b * (frozen / dp_size if stage == 3 else frozen)
+        frozen_kind = "host_params" if offload_param else "params"  # frozen shards follow
+        report[frozen_kind] += b * (frozen / dp_size if stage == 3 else frozen)
     secondary = 0.0
     if stage == 3 and hpz > 1:  # hpZ: 1/hpz of every gathered parameter, INT8 for MixZ++
         secondary = (b * (local - frozen) + (1 if mixz else b) * frozen) / hpz
@@ -255,6 +272,9 @@ def estimate(
             "secondary_params",
             "quantized_params",
         )
+    )
+    report["host_total"] = sum(
+        v for k, v in report.items() if k.startswith("host_") and k != "host_total"
     )
     return report
 

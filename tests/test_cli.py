@@ -34,7 +34,11 @@ def test_estimate_from_a_count_and_from_a_local_config(tmp_path, capsys):
     assert main(["estimate", "--params", "7e9", "--dp", "8"]) == 0
     out = capsys.readouterr().out
     stage3 = model_state_bytes(7e9, 8, 3, "bf16")["total"] / 2**30
-    assert f"    3    False {stage3:>11.2f}" in out
+    assert f"    3     False {stage3:>11.2f}" in out
+    # ZeRO-Infinity's CPU tier: nothing of the model states stays on the device.
+    infinity = model_state_bytes(7e9, 8, 3, "bf16", True, offload_param=True)
+    assert infinity["total"] == 0
+    assert f"    3 opt+param {0:>11.2f} {infinity['host_total'] / 2**30:>9.2f}" in out
     tiny_llama_config().save_pretrained(tmp_path)
     assert main(["estimate", "--model-config", str(tmp_path)]) == 0
     assert "90,432 parameters" in capsys.readouterr().out  # counted on the meta device

@@ -10,7 +10,7 @@ from hf_zero.memory import model_state_bytes
 from hf_zero.testing import run_distributed
 
 
-def _measure(stage: int, precision: str, offload: bool) -> dict:
+def _measure(stage: int, precision: str, offload: bool, offload_param: bool) -> dict:
     model = build_model()
     # No frozen parameters and nothing persistent, so P is every parameter.
     for p in model.parameters():
@@ -21,6 +21,7 @@ def _measure(stage: int, precision: str, offload: bool) -> dict:
         stage=stage,
         precision=precision,
         offload_optimizer="cpu" if offload else "none",
+        offload_param="cpu" if offload_param else "none",
         param_persistence_threshold=0,
     )
     x = batch(dist.get_rank(), 0, 0)
@@ -42,17 +43,21 @@ def _measure(stage: int, precision: str, offload: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("stage", "precision", "offload"),
-    [(0, "bf16", False), (1, "bf16", False), (2, "bf16", False), (3, "bf16", False),
-     (3, "fp32", False), (2, "bf16", True), (3, "bf16", True)],
+    ("stage", "precision", "offload", "offload_param"),
+    [(0, "bf16", False, False), (1, "bf16", False, False), (2, "bf16", False, False),
+     (3, "bf16", False, False), (3, "fp32", False, False), (2, "bf16", True, False),
+     (3, "bf16", True, False), (3, "fp32", False, True), (3, "bf16", True, True)],
 )  # fmt: skip
-def test_estimate_matches_measured_memory(stage, precision, offload):
-    for r in run_distributed(_measure, 2, args=(stage, precision, offload)):
-        estimate = model_state_bytes(r["P"], 2, stage, precision, offload)
+def test_estimate_matches_measured_memory(stage, precision, offload, offload_param):
+    for r in run_distributed(_measure, 2, args=(stage, precision, offload, offload_param)):
+        estimate = model_state_bytes(
+            r["P"], 2, stage, precision, offload, offload_param=offload_param
+        )
         # Padding is the only difference: at most 8 x N elements per bucket, 16 bytes each.
         slack = 16 * r["padding"] + r["steps"]
         measured = dict(r["after"], grads=r["grads"], host_grads=0)
-        for kind in ("params", "master_weights", "optimizer_states", "host_master_weights"):
+        kinds = ("params", "host_params", "master_weights", "optimizer_states")
+        for kind in (*kinds, "host_master_weights"):
             assert abs(measured[kind] - estimate[kind]) <= slack, (kind, measured, estimate)
         expected_grads = estimate["grads"] + (4 * r["P"] / 2 if offload else 0)
         assert abs(r["grads"] - expected_grads) <= slack
@@ -66,7 +71,7 @@ def _measure_whole_model(case: str) -> dict:
 
     world = dist.get_world_size()
     if case == "mixz":
-        from test_mixz import lora_model
+        from helpers import lora_model
 
         model = lora_model()
         trainable = [p for p in model.parameters() if p.requires_grad]
