@@ -39,6 +39,15 @@ class GradientReducer:
         self.groups = groups
         self.max_inflight_numel = max_inflight_numel
         self._inflight: list[FlatParamGroup] = []
+        # Stages 2-3 buckets reduced by a plain reduce-scatter (not qgZ): their full-size inputs
+        # count against max_inflight_numel, their reduced shards are views of one slab per
+        # backward and (dtype, device), sized here once.
+        sliced = [g for g in groups if stage >= 2 and g._quantized_reduce is None]
+        self._sliced = {id(g) for g in sliced}
+        self._slab_numel: dict[tuple, int] = {}
+        for g in sliced:
+            key = (g.reduce_dtype, g.device)
+            self._slab_numel[key] = self._slab_numel.get(key, 0) + g.layout.shard_numel
         self._slabs: dict[tuple, list] = {}  # this backward's output slabs: [tensor, used]
         self.control = control
         self.comm = (comm or Collectives()).for_purpose("control")  # the received-flags max
@@ -88,12 +97,14 @@ class GradientReducer:
             if only_ready and not group.all_ready:
                 return
             self._bound_inflight(group.numel)
-            group.launch_reduce(async_op=True, output=self._output_for(group))
-            if self.stage >= 2 and group._quantized_reduce is None:
+            if id(group) in self._sliced:
+                group.launch_reduce(async_op=True, output=self._output_for(group))
                 self._inflight.append(group)
+            else:
+                group.launch_reduce(async_op=True)
             self._next_launch += 1
 
-    def _output_for(self, group: FlatParamGroup) -> torch.Tensor | None:
+    def _output_for(self, group: FlatParamGroup) -> torch.Tensor:
         """Stages 2-3: the bucket's reduced shard as a view of one slab per backward.
 
         The shards live from backward to the step, while backward allocates and frees
@@ -101,16 +112,9 @@ class GradientReducer:
         written, freed whole when the step releases the last of them) kept them from
         fragmenting the heap.
         """
-        if self.stage < 2 or group._quantized_reduce is not None:
-            return None
         key = (group.reduce_dtype, group.device)
         if key not in self._slabs:
-            members = [
-                g
-                for g in self.groups
-                if (g.reduce_dtype, g.device) == key and g._quantized_reduce is None
-            ]
-            numel = sum(g.layout.shard_numel for g in members)
+            numel = self._slab_numel[key]
             self._slabs[key] = [torch.empty(numel, dtype=key[0], device=key[1]), 0]
         slab = self._slabs[key]
         start, slab[1] = slab[1], slab[1] + group.layout.shard_numel

@@ -200,6 +200,19 @@ def train_step(engine, model: torch.nn.Module, step: int, poison: bool = False) 
     return engine.step()
 
 
+def train_steps(engine, steps: range) -> list[float]:
+    """One optimizer step per index in ``steps``, on this rank's ``batch(rank, step, 0)``;
+    the losses."""
+    losses = []
+    for step in steps:
+        x = batch(dist.get_rank(), step, 0)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_on_corpus(engine, steps: int, seq_len: int = 64, batch_size: int = 4) -> list[float]:
     """``steps`` optimizer steps on the embedded corpus (disjoint windows per rank); losses."""
     from hf_zero.tiny import token_batches

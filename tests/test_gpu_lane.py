@@ -31,10 +31,12 @@ from helpers import (
     max_loss_diff,
     max_param_diff,
     train_ddp,
+    train_on_corpus,
+    train_steps,
     train_zero,
+    zero_engine,
 )
 
-import hf_zero
 from hf_zero.quant import dequantize, quantize
 from hf_zero.testing import run_distributed
 
@@ -70,50 +72,41 @@ def _parity(precision: str, **cfg) -> dict:
     }
 
 
-def _check(record_property, r: dict, tol: float) -> None:
+def _check_parity(record_property, precision: str, **cfg) -> None:
+    """One rank of `_parity` with ``cfg``: on the lane's device and backend, within the
+    precision's tolerance; its peak device memory recorded for the lane's report."""
+    r = run_distributed(_parity, 1, args=(precision,), kwargs=cfg)[0]
     record_property("peak_cuda_bytes", r["peak"])
     assert r["device"].startswith(DEVICE.type), r
     assert r["backend"] == ("nccl" if CUDA else "gloo"), r
+    tol = FP32_TOL if precision == "fp32" else BF16_TOL
     assert r["loss"] <= tol and r["param"] <= tol, r
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp32_matches_torch(stage, record_property):
-    _check(
-        record_property,
-        run_distributed(_parity, 1, args=("fp32",), kwargs={"stage": stage})[0],
-        FP32_TOL,
-    )
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_matches_torch(stage, record_property):
-    _check(
-        record_property,
-        run_distributed(_parity, 1, args=("bf16",), kwargs={"stage": stage})[0],
-        BF16_TOL,
-    )
+def test_matches_torch(stage, precision, record_property):
+    _check_parity(record_property, precision, stage=stage)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_bf16_matches_torch(stage, record_property):
-    kwargs = {"stage": stage, "offload_optimizer": "cpu"}
-    _check(record_property, run_distributed(_parity, 1, args=("bf16",), kwargs=kwargs)[0], BF16_TOL)
+    _check_parity(record_property, "bf16", stage=stage, offload_optimizer="cpu")
 
 
 def test_param_offload_bf16_matches_torch(record_property):
     """ZeRO-Infinity's CPU tier with the optimizer on the host too (the Hugging Face docs' ZeRO-3
     JSON): pinned host shards copied to the device for every gather."""
-    kwargs = {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
-    _check(record_property, run_distributed(_parity, 1, args=("bf16",), kwargs=kwargs)[0], BF16_TOL)
+    _check_parity(record_property, "bf16", stage=3, offload_optimizer="cpu", offload_param="cpu")
 
 
 def test_zeropp_config_matches_torch(record_property):
     """qwZ + qgZ configured at one rank: a one-rank gather moves nothing to quantize, so the run
     stays within the bf16 tolerance of torch; the quantizer itself is checked on the device
     below."""
-    kwargs = {"stage": 3, "quantized_weights": True, "quantized_gradients": True}
-    _check(record_property, run_distributed(_parity, 1, args=("bf16",), kwargs=kwargs)[0], BF16_TOL)
+    _check_parity(
+        record_property, "bf16", stage=3, quantized_weights=True, quantized_gradients=True
+    )
 
 
 def _quantizer() -> dict:
@@ -143,8 +136,6 @@ def test_quantizer_on_device_matches_cpu(record_property):
 
 
 def _mixz(steps: int) -> dict:
-    from helpers import train_on_corpus
-
     result = {}
     for name, mixz in {"bf16": False, "mixz": True}.items():
         torch.manual_seed(0)
@@ -167,33 +158,16 @@ def test_mixz_lora_tracks_bf16(record_property):
 
 
 def _checkpoint_round_trip(directory: str) -> dict:
-    from helpers import batch
-
-    def engine():
-        model = build_model()
-        opt = torch.optim.AdamW(model.parameters())
-        return hf_zero.initialize(model, opt, stage=3, precision="bf16")
-
-    def steps(e, first: int, n: int) -> list[float]:
-        out = []
-        for step in range(first, first + n):
-            x = batch(0, step, 0)
-            loss = e(input_ids=x, labels=x).loss
-            e.backward(loss)
-            e.step()
-            out.append(loss.item())
-        return out
-
     _reset_peak()
-    a = engine()
-    steps(a, 0, 2)
+    a = zero_engine(build_model(), stage=3, precision="bf16")
+    train_steps(a, range(2))
     a.save_checkpoint(directory)
     draw_after_save = torch.rand(4, device=DEVICE).cpu()
-    continued = steps(a, 2, 2)
-    b = engine()
+    continued = train_steps(a, range(2, 4))
+    b = zero_engine(build_model(), stage=3, precision="bf16")
     b.load_checkpoint(directory)
     draw_after_load = torch.rand(4, device=DEVICE).cpu()
-    resumed = steps(b, 2, 2)
+    resumed = train_steps(b, range(2, 4))
     from safetensors import safe_open
 
     with safe_open(f"{directory}/zero_rank00000.safetensors", "pt") as f:

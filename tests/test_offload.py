@@ -16,6 +16,7 @@ from helpers import (
     max_param_diff,
     named_fp32,
     train_ddp,
+    train_steps,
     train_zero,
     two_param_groups,
 )
@@ -203,10 +204,7 @@ def _copy_back(overlap: bool) -> dict:
         **ZERO3,
     )
     engine.optimizer.overlap_copy_back = overlap  # the GPU benchmark's switch
-    for step in range(3):
-        x = batch(dist.get_rank(), step, 0)
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        engine.step()
+    train_steps(engine, range(3))
     return named_fp32(model)
 
 

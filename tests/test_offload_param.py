@@ -9,12 +9,12 @@ with accumulation and clipping; bf16 within test_parity's tolerance.
 import pytest
 import torch
 from helpers import (
-    batch,
     build_model,
     max_loss_diff,
     max_param_diff,
     named_fp32,
     train_ddp,
+    train_steps,
     train_zero,
     two_param_groups,
 )
@@ -97,23 +97,13 @@ def _resume_across_tiers(directory: str) -> dict:
         opt = torch.optim.AdamW(two_param_groups(model))
         return hf_zero.initialize(model, opt, stage=3, **ZERO3, **cfg), model
 
-    def steps(e, first: int) -> list[float]:
-        out = []
-        for step in range(first, first + 2):
-            x = batch(torch.distributed.get_rank(), step, 0)
-            loss = e(input_ids=x, labels=x).loss
-            e.backward(loss)
-            e.step()
-            out.append(loss.item())
-        return out
-
     offloaded, model = engine(offload_param="cpu")
-    steps(offloaded, 0)
+    train_steps(offloaded, range(2))
     offloaded.save_checkpoint(directory)
-    straight = steps(offloaded, 2)
+    straight = train_steps(offloaded, range(2, 4))
     plain, plain_model = engine()
     plain.load_checkpoint(directory)
-    resumed = steps(plain, 2)
+    resumed = train_steps(plain, range(2, 4))
     return {
         "straight": straight,
         "resumed": resumed,
