@@ -94,13 +94,13 @@ def _barrier(engine: ZeroEngine) -> None:
 
 
 def _rank_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    optimizer = engine.optimizer.optimizer
     tensors = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     for group in engine.groups:
-        tensors[f"{group.index}.master"] = group.master.detach().to("cpu", torch.float32, copy=True)
-        for key, value in optimizer.state.get(group.master, {}).items():
+        master = group.master_values()
+        tensors[f"{group.index}.master"] = master.to("cpu", torch.float32, copy=True)
+        for key, value in engine.optimizer.state_of(group).items():
             if torch.is_tensor(value):
                 tensors[f"{group.index}.state.{key}"] = value.detach().to("cpu", copy=True)
     return tensors
@@ -354,7 +354,7 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
     state_keys = _state_keys(meta, reader)
     with torch.no_grad():
         for group in engine.groups:
-            _load_group(group, reader, optimizer, state_keys)
+            _load_group(group, reader, engine.optimizer, state_keys)
             group.gather_params(async_op=False)  # parameters follow the restored masters
     for param_group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for key, value in saved.items():
@@ -395,15 +395,12 @@ def _load_group(group: FlatParamGroup, reader: ShardReader, optimizer, state_key
                 if key not in new_state:  # keep the saved dtype (bf16 Adam state stays bf16)
                     new_state[key] = torch.zeros(group.layout.shard_numel, dtype=values.dtype)
                 new_state[key][lo:hi] = values
-    group.master.copy_(new_master)
     first_name = group.layout.slots[0].name
-    state = {key: value.to(group.master.device) for key, value in new_state.items()}
     for key in scalars:
         value = reader.scalar(first_name, f"state.{key}")
         if value is not None:
-            state[key] = value
-    if state:
-        optimizer.state[group.master] = state
+            new_state[key] = value
+    optimizer.load_state_of(group, new_master, new_state)
 
 
 def _check_same_model(engine: ZeroEngine, meta: dict, directory: Path) -> None:

@@ -26,7 +26,7 @@ import yaml
 AUTO = "auto"
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-OFFLOAD_DEVICES = ("none", "cpu")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 STAGES = (0, 1, 2, 3)
 COMM_DTYPES = (None, "fp32", "bf16", "fp16")
 
@@ -100,6 +100,22 @@ class ZeroConfig:
     ``fused=True``, last-bit different from the default for-loop/foreach AdamW). ``false`` runs
     your optimizer's own ``step()`` on the host, exactly as you configured it."""
     offload_param: str = "none"
+    """Stage 3: where parameter shards live between gathers: device ("none"), "cpu", "nvme"."""
+
+    # --- ZeRO-Infinity NVMe tiers (issue 18) ------------------------------------------------
+    nvme_path: str | None = None
+    """Directory for swap files (a local NVMe disk) when either offload device is "nvme"; each
+    run uses its own sub-directory there, removed when the process ends."""
+    offload_param_nvme_path: str | None = None
+    """``offload_param: nvme`` only: its own directory (default: ``nvme_path``)."""
+    offload_optimizer_nvme_path: str | None = None
+    """``offload_optimizer: nvme`` only: its own directory (default: ``nvme_path``)."""
+    offload_param_buffer_count: int = 5
+    """``offload_param: nvme``: units whose shards are read ahead of use, in the traced order."""
+    offload_optimizer_buffer_count: int = 4
+    """``offload_optimizer: nvme``: tiles of (master, gradient, state) in flight in the step."""
+    nvme_io_threads: int = 4
+    """Threads doing swap-file I/O per rank (DeepSpeed ``aio.thread_count``)."""
 
     # --- ZeRO-3 knobs (issue 3) --------------------------------------------------------------
     prefetch_bucket_size: int | str = AUTO
@@ -249,6 +265,10 @@ class ZeroConfig:
     def hpz_enabled(self) -> bool:
         return self.hpz_partition_size == AUTO or self.hpz_partition_size > 1
 
+    def nvme_path_for(self, tier: str) -> str | None:
+        """The swap directory of ``tier`` ("offload_param" or "offload_optimizer")."""
+        return getattr(self, f"{tier}_nvme_path") or self.nvme_path
+
     # --- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ``ValueError`` naming the key, the value and what is allowed."""
@@ -333,9 +353,23 @@ class ZeroConfig:
             )
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError(
-                "zero config: 'offload_optimizer' = 'cpu' needs 'stage' 1, 2 or 3 "
-                "(stage 0 keeps no sharded optimizer to offload)"
+                f"zero config: 'offload_optimizer' = {self.offload_optimizer!r} needs 'stage' "
+                "1, 2 or 3 (stage 0 keeps no sharded optimizer to offload)"
             )
+        if self.offload_optimizer == "nvme" and self.stage != 3:
+            raise ValueError(
+                f"zero config: 'offload_optimizer' = 'nvme' needs 'stage' = 3 (ZeRO-Infinity); "
+                f"got stage {self.stage}. Use 'cpu' for stages 1-2"
+            )
+        for tier in ("offload_param", "offload_optimizer"):
+            if getattr(self, tier) == "nvme" and not self.nvme_path_for(tier):
+                raise ValueError(
+                    f"zero config: '{tier}' = 'nvme' needs 'nvme_path' (or "
+                    f"'{tier}_nvme_path'): a directory on a fast local disk"
+                )
+        for name in ("offload_param_buffer_count", "offload_optimizer_buffer_count"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("nvme_io_threads", self.nvme_io_threads, 1)
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "

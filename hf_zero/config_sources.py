@@ -17,6 +17,7 @@ CLI_FLAGS = {
     "zero_stage": "stage",
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
+    "nvme_path": "nvme_path",
     "zero_quantized_weights": "quantized_weights",
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",

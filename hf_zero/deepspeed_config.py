@@ -70,6 +70,10 @@ def _h(field: str, example: Any) -> Fate:
 
 _SECTION = Fate(SECTION, "")
 _MONITOR = "use the Trainer's `report_to` / `logging_steps`"
+_AIO = (
+    "swap files are read and written with O_DIRECT by a thread pool (`aio.thread_count` "
+    "threads); libaio's submission knobs do not apply"
+)
 
 KEYS: dict[str, Fate] = {
     # --- batch, clipping, optimizer ---------------------------------------------------------
@@ -220,18 +224,28 @@ KEYS: dict[str, Fate] = {
         REFUSED, "partial offload is not implemented; offload all (1.0) or none", _not(1.0)
     ),
     "zero_optimization.offload_optimizer.fast_kernel": _h("offload_optimizer_fast_kernel", False),
-    "zero_optimization.offload_optimizer.buffer_count": Fate(NO_EFFECT, "NVMe only"),
-    "zero_optimization.offload_optimizer.fast_init": Fate(NO_EFFECT, "NVMe only"),
-    "zero_optimization.offload_optimizer.nvme_path": Fate(NO_EFFECT, "NVMe only"),
+    "zero_optimization.offload_optimizer.buffer_count": _h("offload_optimizer_buffer_count", 2),
+    "zero_optimization.offload_optimizer.fast_init": Fate(
+        INHERENT, "initialisation writes each swap file once, sequentially"
+    ),
+    "zero_optimization.offload_optimizer.nvme_path": _h(
+        "offload_optimizer_nvme_path", "/local_nvme"
+    ),
     "zero_optimization.offload_param": _SECTION,
     "zero_optimization.offload_param.device": _h("offload_param", "cpu"),
     "zero_optimization.offload_param.pin_memory": Fate(
         INHERENT, "host buffers are pinned whenever a GPU is present"
     ),
-    "zero_optimization.offload_param.buffer_count": Fate(NO_EFFECT, "NVMe only"),
-    "zero_optimization.offload_param.buffer_size": Fate(NO_EFFECT, "NVMe only"),
-    "zero_optimization.offload_param.max_in_cpu": Fate(NO_EFFECT, "NVMe only"),
-    "zero_optimization.offload_param.nvme_path": Fate(NO_EFFECT, "NVMe only"),
+    "zero_optimization.offload_param.buffer_count": _h("offload_param_buffer_count", 2),
+    "zero_optimization.offload_param.buffer_size": Fate(
+        INHERENT, "read-ahead buffers are sized to each unit's shard, so any size fits"
+    ),
+    "zero_optimization.offload_param.max_in_cpu": Fate(
+        NO_EFFECT,
+        "NVMe shards are never cached in CPU memory beyond the read-ahead buffers; use "
+        "`offload_param: {device: cpu}` to keep them all there",
+    ),
+    "zero_optimization.offload_param.nvme_path": _h("offload_param_nvme_path", "/local_nvme"),
     # --- tensor parallelism -------------------------------------------------------------------
     "tensor_parallel": _SECTION,
     "tensor_parallel.autotp_size": _h("tp_size", 2),
@@ -254,7 +268,14 @@ KEYS: dict[str, Fate] = {
         NO_EFFECT,
         "use `gradient_checkpointing` (Trainer) or `model.gradient_checkpointing_enable()`",
     ),
-    "aio": Fate(NO_EFFECT, "NVMe only"),
+    "aio": _SECTION,
+    "aio.thread_count": _h("nvme_io_threads", 2),
+    "aio.intra_op_parallelism": _h("nvme_io_threads", 2),
+    "aio.block_size": Fate(INHERENT, _AIO),
+    "aio.queue_depth": Fate(INHERENT, _AIO),
+    "aio.single_submit": Fate(INHERENT, _AIO),
+    "aio.overlap_events": Fate(INHERENT, _AIO),
+    "aio.use_gds": Fate(REFUSED, "GPUDirect Storage is not implemented", _truthy),
     "checkpoint": Fate(NO_EFFECT, "checkpoints are always validated by name on load"),
     "autotuning": Fate(REFUSED, "autotuning is not implemented", _enabled_section),
     "elasticity": Fate(REFUSED, "elastic batch sizes are not implemented", _enabled_section),
@@ -340,7 +361,7 @@ _FIELD_OF = {
     key: fate.detail
     for key, fate in KEYS.items()
     if fate.kind == HONOURED
-    and fate.detail not in ("precision", "offload_optimizer")
+    and fate.detail not in ("precision", "offload_optimizer", "offload_param")
     and not key.startswith("tensor_parallel.")
 }  # plain one-to-one copies
 _DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
@@ -368,13 +389,14 @@ def from_deepspeed(raw: Mapping) -> dict[str, Any]:
     if "communication_data_type" in values:
         values["communication_data_type"] = _dtype(values["communication_data_type"])
     _precision(raw, values)
-    device = _get(raw, "zero_optimization.offload_optimizer").get("device", "none")
-    if device not in ("none", "cpu"):
-        raise ValueError(
-            f"deepspeed config: 'zero_optimization.offload_optimizer.device' = {device!r} is "
-            "not supported; allowed: 'none', 'cpu'"
-        )
-    values["offload_optimizer"] = device
+    for tier in ("offload_optimizer", "offload_param"):
+        device = _get(raw, f"zero_optimization.{tier}").get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(
+                f"deepspeed config: 'zero_optimization.{tier}.device' = {device!r} is not "
+                "supported; allowed: 'none', 'cpu', 'nvme'"
+            )
+        values[tier] = device
     tp = _get(raw, "tensor_parallel")
     size = tp.get("autotp_size", tp.get("tp_size"))
     if size is not None:

@@ -117,6 +117,8 @@ class ZeroEngine:
             builder.frozen_groups,
             builder.grouped,
         )
+        self.swaps = builder.swaps
+        """ZeRO-Infinity: this rank's swap spaces (NVMe tiers), removed by `close` or at exit."""
         log_quantization_padding(self.zeropp, self.groups + self.frozen_groups)
         self._cast_other_params()
         self.coordinator: Zero3Coordinator | None = None
@@ -129,6 +131,9 @@ class ZeroEngine:
                 prefetch_numel=config.prefetch_bucket_size,
                 max_live_numel=config.max_live_parameters,
                 check_execution_order=config.check_execution_order,
+                read_ahead=config.offload_param_buffer_count
+                if "offload_param" in self.swaps
+                else 0,
                 comm=self.comm,
             )
             mark_whole_shapes(self.groups + self.frozen_groups)
@@ -154,6 +159,7 @@ class ZeroEngine:
             self.loss_scaler,
             tp_group=self.topology.tp if self.tp is not None else None,
             fast_kernel=config.offload_optimizer_fast_kernel,
+            buffer_count=config.offload_optimizer_buffer_count,
         )
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
@@ -373,13 +379,16 @@ class ZeroEngine:
         caches, so the figures can be checked against the ZeRO formulas. ``host_grads``,
         ``host_master_weights`` and ``host_optimizer_states`` are what ZeRO-Offload keeps in CPU
         memory instead, ``host_params`` the shards ``offload_param: cpu`` keeps there;
-        ``total`` sums the device kinds, ``host_total`` the host ones.
+        ``nvme_*`` kinds are swap-file bytes on disk (ZeRO-Infinity), not memory.
+        ``total`` sums the device kinds, ``host_total`` the host ones, ``nvme_total`` the disk.
         """
         device_kinds = ("params", "grads", "master_weights", "optimizer_states")
         report = dict.fromkeys(device_kinds, 0)
         report.update(dict.fromkeys(("host_" + k for k in device_kinds), 0))
         device_kinds += ("secondary_params", "quantized_params")
         report.update(secondary_params=0, quantized_params=0)
+        nvme_kinds = ("nvme_params", "nvme_grads", "nvme_master_weights", "nvme_optimizer_states")
+        report.update(dict.fromkeys(nvme_kinds, 0))
         for group in self.groups + self.frozen_groups:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
@@ -392,7 +401,14 @@ class ZeroEngine:
         report[where] = self.optimizer.state_bytes()
         report["total"] = sum(report[k] for k in device_kinds)
         report["host_total"] = sum(v for k, v in report.items() if k.startswith("host_"))
+        report["nvme_total"] = sum(report[k] for k in nvme_kinds)
         return report
+
+    def close(self) -> None:
+        """Remove this rank's NVMe swap files (also done at process exit). The engine cannot
+        train afterwards if any tier was on NVMe."""
+        for swap in set(self.swaps.values()):
+            swap.close()
 
     def full_state_dict(
         self, rank0_only: bool = True, master_weights: bool = False

@@ -22,6 +22,7 @@ from hf_zero.partitioned_init import unshard
 from hf_zero.precision import dtype_of
 from hf_zero.stage3 import Unit, assign_params_to_units, find_units
 from hf_zero.stage3_units import true_numel
+from hf_zero.swap import SwapSpace, check_nvme_path
 from hf_zero.topology import Topology
 
 logger = logging.getLogger("hf_zero.engine")
@@ -97,6 +98,16 @@ class GroupBuilder:
         self.units: list[Unit] = []
         self.frozen_groups: list[FlatParamGroup] = []
         self.grouped: set[int] = set()
+        self.swaps: dict[str, SwapSpace] = {}
+        """ZeRO-Infinity: the rank's swap space per NVMe tier (one per distinct path)."""
+        for tier in ("offload_param", "offload_optimizer"):
+            if getattr(config, tier) == "nvme":
+                key = f"{tier}.nvme_path" if getattr(config, f"{tier}_nvme_path") else "nvme_path"
+                root = check_nvme_path(key, config.nvme_path_for(tier))
+                shared = [s for s in self.swaps.values() if s.root == root]
+                self.swaps[tier] = (
+                    shared[0] if shared else SwapSpace(root, topology.rank, config.nvme_io_threads)
+                )
 
     def build(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:
         """The trainable groups, in the order their reductions launch."""
@@ -130,6 +141,10 @@ class GroupBuilder:
                 offload=pg_index is not None and self.config.offload_optimizer == "cpu",
                 zeropp=self.zeropp,
                 param_tier=self.config.offload_param if stage == 3 else "none",
+                param_swap=self.swaps.get("offload_param"),
+                optimizer_swap=self.swaps.get("offload_optimizer")
+                if pg_index is not None
+                else None,
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()

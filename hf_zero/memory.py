@@ -97,30 +97,28 @@ def model_state_bytes(
 
 def group_held_bytes(group) -> dict[str, int]:
     """What one `FlatParamGroup` holds now, by the kinds `memory_report()` sums: the measured
-    side of the formulas above. ``host_*`` kinds are in host memory (offload)."""
-    from hf_zero.quant import Quantized
-
+    side of the formulas above. ``host_*`` kinds are in host memory (offload), ``nvme_*`` in swap
+    files (disk, not memory)."""
     params = _nbytes(group.flat_param) + _nbytes(group._staging)
     tier = group.tier.held_bytes() if group.tier is not None else {}
     params += tier.pop("params", 0)  # a device shard; an offloaded one stays "host_params"
     grads = _nbytes(group.flat_grad)
-    master = group.master
-    master_grad = group.grads.held_bytes(group.flat_grad) if group.grads is not None else 0
-    own_master = master is not None and not group.master_aliases_params
-    master_bytes = _nbytes(master) if own_master else 0
-    if group._quantized_reduce is not None:
-        grads += group._quantized_reduce.residual_bytes()  # qgZ error feedback
+    if group.reduce_codec is not None:
+        grads += group.reduce_codec.residual_bytes()  # qgZ error feedback
     extra = {}
-    if isinstance(group._secondary, Quantized):
-        extra["secondary_params"] = group._secondary.nbytes
-    elif group._secondary is not None:
-        extra["secondary_params"] = _nbytes(group._secondary)
-    if group.quantized_shard is not None:
-        extra["quantized_params"] = group.quantized_shard.nbytes
-    if group.offload:
-        kinds = {"grads": grads, "host_grads": master_grad, "host_master_weights": master_bytes}
+    if group.gather_codec is not None and group.gather_codec.held_bytes():
+        extra["secondary_params"] = group.gather_codec.held_bytes()
+    if group.swapped is not None:
+        extra.update(group.swapped.held_bytes())
+        kinds = {"grads": grads}
     else:
-        kinds = {"grads": grads + master_grad, "master_weights": master_bytes}
+        master_grad = group.grads.held_bytes(group.flat_grad) if group.grads is not None else 0
+        own_master = group.master is not None and not group.master_aliases_params
+        master_bytes = _nbytes(group.master) if own_master else 0
+        if group.offload:
+            kinds = {"grads": grads, "host_grads": master_grad, "host_master_weights": master_bytes}
+        else:
+            kinds = {"grads": grads + master_grad, "master_weights": master_bytes}
     return {**extra, **tier, "params": params, **kinds}
 
 

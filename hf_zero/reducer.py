@@ -42,7 +42,11 @@ class GradientReducer:
         # Stages 2-3 buckets reduced by a plain reduce-scatter (not qgZ): their full-size inputs
         # count against max_inflight_numel, their reduced shards are views of one slab per
         # backward and (dtype, device), sized here once.
-        sliced = [g for g in groups if stage >= 2 and g._quantized_reduce is None]
+        # NVMe-offloaded groups write each reduced shard out as it lands: a slab would keep
+        # them all resident until the end of backward.
+        sliced = [
+            g for g in groups if stage >= 2 and g.reduce_codec.takes_output and g.swapped is None
+        ]
         self._sliced = {id(g) for g in sliced}
         self._slab_numel: dict[tuple, int] = {}
         for g in sliced:

@@ -57,6 +57,7 @@ PARSERS = {
     "stage": int,
     "offload_optimizer": str,
     "offload_param": str,
+    "nvme_path": str,
     "quantized_weights": _bool,
     "hpz_partition_size": _int_or_auto,
     "quantized_gradients": _bool,

@@ -108,6 +108,7 @@ class Zero3Coordinator:
         max_live_numel: int,
         check_execution_order: bool,
         comm: Collectives | None = None,
+        read_ahead: int = 0,
     ) -> None:
         self.units = units
         self.control = control
@@ -115,6 +116,8 @@ class Zero3Coordinator:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.check_execution_order = check_execution_order
+        self.read_ahead = read_ahead
+        """NVMe tier: units beyond the prefetched ones whose shards are read from disk ahead."""
         self.forward_trace: list[int] | None = None
         self.backward_trace: list[int] | None = None
         self._recording: tuple[list[int], list[int]] | None = ([], [])
@@ -261,6 +264,14 @@ class Zero3Coordinator:
             self._prefetched.add(index)
             budget -= nxt.numel
             live += nxt.numel
+        ahead = self.read_ahead
+        for index in trace[cursor:]:
+            if ahead <= 0:
+                break
+            groups = [g for g in self.units[index].groups if g.flat_param is None]
+            for group in groups:
+                group.prefetch_shard()
+            ahead -= bool(groups)
 
     def release_all(self) -> None:
         self._prefetched.clear()

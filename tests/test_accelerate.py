@@ -113,6 +113,10 @@ def _config_file(name: str) -> dict:
 def test_every_zero_config_file_runs_or_says_why_not(name):
     for r in run_distributed(_config_file, 2, args=(name,)):
         assert r["losses"][-1] < r["losses"][0]
+        if "nvme" in name:  # ZeRO-Infinity: model states in swap files, none in memory
+            assert r["report"]["nvme_optimizer_states"] > 0 and r["report"]["nvme_params"] > 0
+            assert r["report"]["host_optimizer_states"] == r["report"]["host_master_weights"] == 0
+            continue
         if "offload" in name:
             assert r["report"]["optimizer_states"] == 0 and r["report"]["host_optimizer_states"] > 0
             assert r["report"]["host_master_weights"] > 0

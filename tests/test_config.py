@@ -135,8 +135,12 @@ def test_hf_docs_zero3_example_loads_and_resolves_from_hidden_size(tmp_path):
     nvme = json.loads(json.dumps(DS_ZERO3))
     nvme["zero_optimization"]["offload_param"]["device"] = "nvme"
     path.write_text(json.dumps(nvme))
-    with pytest.raises(ValueError, match=r"'offload_param' = 'nvme' is not allowed; expected one"):
+    # NVMe (ZeRO-Infinity) is supported, and needs a directory for its swap files.
+    with pytest.raises(ValueError, match=r"'offload_param' = 'nvme' needs 'nvme_path'"):
         _load_quiet(path)
+    nvme["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
+    path.write_text(json.dumps(nvme))
+    assert _load_quiet(path).nvme_path_for("offload_param") == str(tmp_path)
     assert cfg.max_live_parameters == 10**9 and isinstance(cfg.max_live_parameters, int)
     cfg.resolve_auto(hidden_size=64)
     assert cfg.reduce_bucket_size == 64 * 64
@@ -232,9 +236,13 @@ def test_impossible_values_name_key_value_and_allowed(values, match):
 def test_deepspeed_contradictions_and_unsupported_values():
     with pytest.raises(ValueError, match=r"'fp16\.enabled' and 'bf16\.enabled' are both true"):
         ZeroConfig.load({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
-    with pytest.raises(ValueError, match=r"offload_optimizer.device' = 'nvme'"):
+    with pytest.raises(ValueError, match=r"'offload_optimizer' = 'nvme' needs 'stage' = 3"):
         ZeroConfig.load(
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+        )
+    with pytest.raises(ValueError, match=r"offload_optimizer.device' = 'disk' is not supported"):
+        ZeroConfig.load(
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "disk"}}}
         )
     with pytest.raises(ValueError, match=r"'fp16.enabled' = 'yes'"):
         ZeroConfig.load({"fp16": {"enabled": "yes"}})

@@ -53,10 +53,14 @@ class ZeroTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "hf_zero YAML/JSON or a DeepSpeed JSON config file"}
     )
     offload_optimizer: str | None = field(
-        default=None, metadata={"help": "'cpu': optimizer state and master weights in CPU memory"}
+        default=None,
+        metadata={"help": "'cpu' or 'nvme' (stage 3): optimizer state and master weights there"},
     )
     offload_param: str | None = field(
-        default=None, metadata={"help": "'cpu' (stage 3): parameter shards in CPU memory"}
+        default=None, metadata={"help": "'cpu' or 'nvme' (stage 3): parameter shards there"}
+    )
+    nvme_path: str | None = field(
+        default=None, metadata={"help": "directory for NVMe swap files (ZeRO-Infinity)"}
     )
     zero_quantized_weights: bool | None = field(
         default=None, metadata={"help": "ZeRO++ qwZ: INT8 weight all-gather (stage 3)"}

@@ -18,6 +18,7 @@ import torch
 from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
+from hf_zero.optim.streamed_step import streamed_step
 from hf_zero.precision import LossScaler
 from hf_zero.topology import Group
 
@@ -131,6 +132,7 @@ class ShardedOptimizer:
         loss_scaler: LossScaler,
         tp_group: Group | None = None,
         fast_kernel: bool = True,
+        buffer_count: int = 4,
     ) -> None:
         self.optimizer = optimizer
         self.tp_group = tp_group
@@ -168,6 +170,10 @@ class ShardedOptimizer:
         # Some optimizers (Adagrad) create state in __init__, and a user may have loaded state:
         # re-key it onto the master shards rather than orphan it.
         optimizer.state = shard_optimizer_state(optimizer.state, groups)
+        self.buffer_count = buffer_count
+        for g in groups:
+            if g.swapped is not None and g.master in optimizer.state:
+                g.swapped.write_state(optimizer.state.pop(g.master))  # NVMe: on disk only
         for index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [g.master for g in groups if g.param_group_index == index]
 
@@ -250,6 +256,16 @@ class ShardedOptimizer:
         if not self.offload:
             self._step_bucket_by_bucket()
             return
+        if any(g.swapped is not None for g in self.groups):
+
+            def write_back(group: FlatParamGroup, start: int, end: int, values) -> None:
+                group.stage_tile(start, end, values)
+
+            streamed_step(
+                self.optimizer, self.groups, self.fast_kernel, write_back,
+                buffer_count=self.buffer_count,
+            )  # fmt: skip
+            return
 
         def copy_back(master: torch.Tensor, start: int, end: int) -> None:
             self._group_of_master[id(master)].stage_tile(start, end)
@@ -290,6 +306,26 @@ class ShardedOptimizer:
     def end_step(self) -> None:
         self._grads_prepared = False
         self._overflow = False
+
+    def state_of(self, group: FlatParamGroup) -> dict:
+        """The optimizer state of ``group``'s master shard (read from disk under NVMe)."""
+        if group.swapped is not None:
+            return group.swapped.read_state()
+        return self.optimizer.state.get(group.master, {})
+
+    def load_state_of(self, group: FlatParamGroup, master: torch.Tensor, state: dict) -> None:
+        """Replace ``group``'s fp32 master shard and optimizer state (a loaded checkpoint)."""
+        if group.swapped is not None:
+            group.swapped.write_master(master)
+            group.swapped.write_state(state)
+            group.stage_tile(0, master.numel(), master)  # the parameters follow
+            return
+        group.master.copy_(master)
+        state = {
+            k: v.to(group.master.device) if torch.is_tensor(v) else v for k, v in state.items()
+        }
+        if state:
+            self.optimizer.state[group.master] = state
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors (momenta, variances, step counters)."""

@@ -1,0 +1,342 @@
+"""ZeRO-Infinity side by side: stage 3 with model states on device, in CPU memory, on NVMe.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_infinity.py --hidden 1024 --layers 24 \
+        --nvme_path /tmp/hf_zero_bench_nvme
+
+First the disk: a ``--bw_gib`` GiB file in ``--nvme_path`` is written and read back sequentially
+through the same swap I/O the NVMe tiers use (`hf_zero.swap`: O_DIRECT, aligned 16 MiB requests,
+``--io_threads`` threads), by ``--nproc`` processes at once, as the ranks share the disk in
+training. Then, per configuration, a fresh group of ``--nproc`` ranks (gloo, one thread each)
+builds a LLaMA-style model inside `hf_zero.partitioned_init()` (never whole on a rank), runs
+``--steps`` AdamW steps (torch's fused CPU kernel wherever the optimizer is offloaded) and
+reports per rank: step times, the optimizer step's time and the bytes it read and wrote in swap
+files, VmHWM (peak RSS) from process start (``peak``) and over the steps only (``peak_steps``),
+VmRSS at ``base`` (imports and process group, nothing built), and `memory_report()`.
+
+The NVMe optimizer step's bound is the time the disk needs for its bytes at the measured
+sequential rates: ``read_bytes / read_bw + write_bytes / write_bw`` (all ranks' bytes, one
+disk); ``bound / step`` is the fraction of that bound the step reaches (1.0 = disk-limited).
+
+DeepSpeed's ZeRO-Infinity runs its NVMe path through its async_io op, which needs libaio's
+headers (``libaio-dev``); where they are missing the table says so instead of a row.
+Writes ``--out/bench_infinity.json``. Timings here are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import _free_port, proc_status, reset_peak
+
+CONFIGS = {  # name -> (offload_param, offload_optimizer)
+    "stage 3": ("none", "none"),
+    "stage 3 + offload cpu/cpu": ("cpu", "cpu"),
+    "stage 3 + optimizer nvme": ("none", "nvme"),
+    "Infinity nvme/nvme": ("nvme", "nvme"),
+}
+MIB = 1 << 20
+
+
+# --- the disk ------------------------------------------------------------------------------------
+def disk_worker(args) -> dict:
+    """One process's share of the bandwidth test: write then read its own file."""
+    import torch
+
+    from hf_zero.swap import SwapSpace
+
+    space = SwapSpace(args.nvme_path, rank=int(os.environ["RANK"]), threads=args.io_threads)
+    request = 16 * MIB // 4  # fp32 elements per request
+    numel = int(args.bw_gib * (1 << 30)) // 4 // args.nproc
+    numel -= numel % request
+    f = space.file("bandwidth", numel * 4)
+    buffers = [space.buffer(request, torch.float32).fill_(1.0) for _ in range(2 * args.io_threads)]
+    out = {"direct": space.direct, "bytes": numel * 4}
+    for name, op in (("write", f.write_async), ("read", f.read_async)):
+        _barrier(args, name)
+        start = time.perf_counter()
+        pending = []
+        for i, offset in enumerate(range(0, numel, request)):
+            if len(pending) == len(buffers):
+                pending.pop(0).result()
+            pending.append(op(buffers[i % len(buffers)], offset * 4))
+        for done in pending:
+            done.result()
+        out[f"{name}_s"] = time.perf_counter() - start
+    space.close()
+    return out
+
+
+def _barrier(args, name: str) -> None:
+    """Start each phase together (a file barrier: no process group needed)."""
+    flag = Path(args.nvme_path) / f".phase.{name}.{os.environ['RANK']}"
+    flag.touch()
+    while len(list(Path(args.nvme_path).glob(f".phase.{name}.*"))) < args.nproc:
+        time.sleep(0.01)
+
+
+# --- training ------------------------------------------------------------------------------------
+def train_worker(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from common import llama_shape
+    from transformers import LlamaForCausalLM
+
+    import hf_zero
+    from hf_zero.memory import activation_bytes, shape_of, working_set_bytes
+    from hf_zero.tiny import tiny_llama_config
+
+    offload_param, offload_optimizer = CONFIGS[args.worker]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = tiny_llama_config(**llama_shape(args.hidden, args.layers, args.vocab, args.seq_len))
+    with torch.device("meta"):
+        shape = shape_of(LlamaForCausalLM(config))
+    base = proc_status()
+    torch.manual_seed(0)
+    with hf_zero.partitioned_init():
+        model = LlamaForCausalLM(config)
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        stage=3,
+        offload_param=offload_param,
+        offload_optimizer=offload_optimizer,
+        nvme_path=args.nvme_path,
+        nvme_io_threads=args.io_threads,
+        reduce_bucket_size=args.reduce_bucket_size,
+    )
+    initialized = proc_status()
+    reset_peak()
+    swap = engine.swaps.get("offload_optimizer")
+    gen = torch.Generator().manual_seed(1000 + rank)
+    steps, opt_steps, losses, io = [], [], [], []
+    for _ in range(args.steps):
+        x = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        before = dict(swap.stats) if swap else {}
+        opt_start = time.perf_counter()
+        engine.step()
+        end = time.perf_counter()
+        steps.append(end - start)
+        opt_steps.append(end - opt_start)
+        io.append({k: swap.stats[k] - before[k] for k in before} if swap else {})
+        losses.append(loss.item())
+    peak_steps = proc_status()
+    report = engine.memory_report()
+    largest_shard = max(g.layout.shard_numel for g in engine.groups)
+    prefetch = engine.config.prefetch_bucket_size
+    dist.barrier()
+    engine.close()
+    dist.destroy_process_group()
+    return {
+        "config": args.worker,
+        "rank": rank,
+        "params": shape.params,
+        "base_rss": base["VmRSS"],
+        "initialized_rss": initialized["VmRSS"],
+        "peak": max(initialized["VmHWM"], peak_steps["VmHWM"]),  # from process start
+        "peak_steps": peak_steps["VmHWM"],
+        "steps": steps,
+        "optimizer_steps": opt_steps,
+        "optimizer_io": io,
+        "losses": losses,
+        "memory_report": report,
+        "working_set": working_set_bytes(shape, 3, "fp32")
+        + 4 * prefetch
+        + activation_bytes(shape, args.seq_len, args.batch_size, "fp32"),
+        "largest_shard": largest_shard,
+    }
+
+
+# --- the driver ----------------------------------------------------------------------------------
+def launch(args, worker: str, mode: str, tmp: Path) -> list[dict]:
+    port = _free_port()
+    procs, files = [], []
+    for rank in range(args.nproc):
+        out = tmp / f"{mode}.{worker.replace(' ', '_').replace('/', '-')}.{rank}.json"
+        files.append(out)
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(args.nproc),
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, __file__, f"--{mode}", worker, "--result", str(out)]
+        cmd += [a for k, v in vars(args).items() if k in FORWARDED for a in (f"--{k}", str(v))]
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait(timeout=args.timeout) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{worker}: ranks exited with {codes}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+FORWARDED = (
+    "hidden",
+    "layers",
+    "vocab",
+    "seq_len",
+    "batch_size",
+    "steps",
+    "reduce_bucket_size",
+    "nvme_path",
+    "io_threads",
+    "bw_gib",
+    "nproc",
+)
+
+
+def deepspeed_status() -> str:
+    """Why DeepSpeed's NVMe offload can or cannot run on this machine."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError:
+        reason = "DeepSpeed is not installed in this environment"
+    else:
+        if AsyncIOBuilder().is_compatible(verbose=False):
+            return "available"
+        reason = "DeepSpeed's async_io op is not compatible here"
+    if not Path("/usr/include/libaio.h").exists():
+        reason += (
+            "; its async_io op (the only NVMe path of ZeRO-Infinity) needs libaio's headers "
+            "(libaio-dev), absent on this machine, and system packages cannot be installed here"
+        )
+    return reason
+
+
+def summarize(disk: list[dict], runs: dict[str, list[dict]]) -> dict:
+    total = sum(d["bytes"] for d in disk)
+    read_bw = total / max(d["read_s"] for d in disk)
+    write_bw = total / max(d["write_s"] for d in disk)
+    rows = {}
+    plain = runs.get("stage 3")
+    for name, ranks in runs.items():
+        measured = slice(1, None)  # the first step records the trace and creates the state files
+        step = sum(sum(r["steps"][measured]) for r in ranks) / sum(
+            len(r["steps"][measured]) for r in ranks
+        )
+        opt = max(sum(r["optimizer_steps"][measured]) / len(r["steps"][measured]) for r in ranks)
+        row = {
+            "step_s": step,
+            "optimizer_step_s": opt,
+            "peak_rss_mb": max(r["peak"] for r in ranks) / MIB,
+            "peak_steps_rss_mb": max(r["peak_steps"] for r in ranks) / MIB,
+            "base_rss_mb": max(r["base_rss"] for r in ranks) / MIB,
+            "working_set_mb": ranks[0]["working_set"] / MIB,
+            "disk_mb_per_rank": ranks[0]["memory_report"]["nvme_total"] / MIB,
+            "final_loss": ranks[0]["losses"][-1],
+            "losses": ranks[0]["losses"],
+        }
+        io = [r["optimizer_io"][-1] for r in ranks]
+        if io[0]:
+            read, write = sum(i["read_bytes"] for i in io), sum(i["write_bytes"] for i in io)
+            bound = read / read_bw + write / write_bw
+            row.update(io_read_mb=read / MIB, io_write_mb=write / MIB, io_bound_s=bound)
+            row["bound_fraction"] = bound / opt
+        if plain:
+            plain_growth = max(r["peak"] - r["base_rss"] for r in plain)
+            growth = max(r["peak"] - r["base_rss"] for r in ranks)
+            row["rss_growth_vs_stage3"] = growth / plain_growth
+            row["peak_rss_vs_stage3"] = row["peak_rss_mb"] / (max(r["peak"] for r in plain) / MIB)
+            row["step_vs_stage3"] = step / (
+                sum(sum(r["steps"][measured]) for r in plain)
+                / sum(len(r["steps"][measured]) for r in plain)
+            )
+        rows[name] = row
+    return {
+        "disk": {
+            "read_gbps": read_bw / 1e9,
+            "write_gbps": write_bw / 1e9,
+            "o_direct": disk[0]["direct"],
+        },
+        "rows": rows,
+        "params": next(iter(runs.values()))[0]["params"],
+        "deepspeed": deepspeed_status(),
+    }
+
+
+def table(summary: dict) -> str:
+    d = summary["disk"]
+    lines = [
+        f"model: {summary['params'] / 1e6:.0f}M parameters; disk (O_DIRECT={d['o_direct']}): "
+        f"read {d['read_gbps']:.2f} GB/s, write {d['write_gbps']:.2f} GB/s",
+        "",
+        "| config | step (s) | vs stage 3 | optimizer step (s) | disk bound (s) | bound / step "
+        "| peak RSS (MB) | RSS growth vs stage 3 | working set (MB) | disk per rank (MB) "
+        "| final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in summary["rows"].items():
+        bound = f"{r['io_bound_s']:.2f}" if "io_bound_s" in r else ""
+        frac = f"**{r['bound_fraction']:.2f}**" if "bound_fraction" in r else ""
+        lines.append(
+            f"| {name} | {r['step_s']:.2f} | {r.get('step_vs_stage3', 1):.2f}x "
+            f"| {r['optimizer_step_s']:.2f} | {bound} | {frac} | {r['peak_rss_mb']:.0f} "
+            f"| {r.get('rss_growth_vs_stage3', 1):.2f}x | {r['working_set_mb']:.0f} "
+            f"| {r['disk_mb_per_rank']:.0f} | {r['final_loss']:.4f} |"
+        )
+    lines += ["", f"DeepSpeed ZeRO-Infinity (NVMe): {summary['deepspeed']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--reduce_bucket_size", type=int, default=50_000_000)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
+    p.add_argument("--io_threads", type=int, default=4)
+    p.add_argument("--bw_gib", type=float, default=4.0, help="bandwidth test size, all ranks")
+    p.add_argument("--only", nargs="*", default=None, help="configuration names to run")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--train", help=argparse.SUPPRESS)
+    p.add_argument("--disk", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.train or args.disk:
+        args.worker = args.train or args.disk
+        result = train_worker(args) if args.train else disk_worker(args)
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    tmp = Path(args.out) / "bench_infinity_ranks"
+    tmp.mkdir(parents=True, exist_ok=True)
+    for flag in Path(args.nvme_path).glob(".phase.*"):
+        flag.unlink()
+    disk = launch(args, "bandwidth", "disk", tmp)
+    runs = {}
+    for name in CONFIGS:
+        if args.only is None or name in args.only:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            runs[name] = launch(args, name, "train", tmp)
+    summary = summarize(disk, runs)
+    summary["args"] = {k: v for k, v in vars(args).items() if k in FORWARDED}
+    out = Path(args.out) / "bench_infinity.json"
+    out.write_text(json.dumps({"summary": summary, "disk": disk, "runs": runs}, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(table(summary))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

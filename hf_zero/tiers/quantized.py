@@ -1,0 +1,33 @@
+"""MixZ++: a frozen group's shard kept only as INT8 blocks, quantized once from fp32 values."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.comm import quantize_shard
+from hf_zero.quant import Quantized
+from hf_zero.tiers.device import Tier
+
+
+class QuantizedTier(Tier):
+    """The shard as `Quantized` rows (``quantized_params`` in `memory_report()`); gathers
+    all-gather the INT8 rows and dequantize. ``context`` is the `ZeroPPSettings`."""
+
+    kind = "quantized_params"
+    permanent = True
+
+    def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
+        self.bits, self.block_size = context.weight_bits, context.block_size
+        self.data: Quantized = quantize_shard(values, self.bits, self.block_size)
+
+    def fetch(self) -> Quantized:
+        return self.data
+
+    def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
+        """Re-quantize from new values (only whole shards: `FlatParamGroup.publish_from`)."""
+        if start != 0 or values.numel() != self.data.numel:
+            raise ValueError("hf_zero: a quantized shard is only ever replaced whole")
+        self.data = quantize_shard(values, self.bits, self.block_size)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {self.kind: self.data.nbytes}
