@@ -19,6 +19,7 @@ from the model's own weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
+
+from hf_zero.checkpoint_stream import Piece, write_streamed
 
 if TYPE_CHECKING:
     from hf_zero.engine import ZeroEngine
@@ -69,7 +71,7 @@ def save_checkpoint(
     _barrier(engine)
     topo = engine.topology
     _write_safetensors(
-        _rank_tensors(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
+        _rank_pieces(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
     )
     _barrier(engine)  # every shard is on disk; a rank that died never gets past here
     if rank == 0:
@@ -93,17 +95,31 @@ def _barrier(engine: ZeroEngine) -> None:
     engine.comm.for_purpose("control").barrier(engine.topology.world)
 
 
-def _rank_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    tensors = {"rng.torch": torch.get_rng_state()}
+def _rank_pieces(engine: ZeroEngine) -> list[Piece]:
+    """This rank's file as pieces: the RNG state, then one piece per group (its fp32 master
+    shard and optimizer state), read only when it is written (`write_streamed`)."""
+    rng = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+        rng["rng.cuda"] = torch.cuda.get_rng_state()
+    pieces: list[Piece] = [(_spec(rng), lambda: rng)]
     for group in engine.groups:
-        master = group.master_values()
-        tensors[f"{group.index}.master"] = master.to("cpu", torch.float32, copy=True)
-        for key, value in engine.optimizer.state_of(group).items():
-            if torch.is_tensor(value):
-                tensors[f"{group.index}.state.{key}"] = value.detach().to("cpu", copy=True)
+        spec = {f"{group.index}.master": (torch.float32, (group.layout.shard_numel,))}
+        for key, (dtype, shape) in engine.optimizer.state_spec(group).items():
+            spec[f"{group.index}.state.{key}"] = (dtype, shape)
+        pieces.append((spec, functools.partial(_group_tensors, engine, group)))
+    return pieces
+
+
+def _group_tensors(engine: ZeroEngine, group: FlatParamGroup) -> dict[str, torch.Tensor]:
+    tensors = {f"{group.index}.master": group.master_values().to("cpu", torch.float32)}
+    for key, value in engine.optimizer.state_of(group).items():
+        if torch.is_tensor(value):
+            tensors[f"{group.index}.state.{key}"] = value
     return tensors
+
+
+def _spec(tensors: dict[str, torch.Tensor]) -> dict:
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
 def _meta(engine: ZeroEngine) -> dict:
@@ -143,10 +159,9 @@ def _meta(engine: ZeroEngine) -> dict:
     }
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(tensors, str(path))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def _write_safetensors(pieces: list[Piece], path: Path) -> None:
+    """One rank's file, written and fsynced piece by piece (the seam the fault tests cut)."""
+    write_streamed(pieces, path)
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -108,6 +108,8 @@ class ZeroEngine:
             self._apply_tensor_parallel(optimizer)
         self._broadcast_module()
 
+        if "nvme" in (config.offload_param, config.offload_optimizer) and self.device.type == "cpu":
+            host_memory.unmap_large_frees()  # ZeRO-Infinity: the host holds a working set only
         builder = GroupBuilder(
             model, config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split
         )
@@ -119,6 +121,8 @@ class ZeroEngine:
         )
         self.swaps = builder.swaps
         """ZeRO-Infinity: this rank's swap spaces (NVMe tiers), removed by `close` or at exit."""
+        if self.swaps and self.device.type == "cpu":
+            host_memory.trim()  # what building the groups freed (the model's own tensors)
         log_quantization_padding(self.zeropp, self.groups + self.frozen_groups)
         self._cast_other_params()
         self.coordinator: Zero3Coordinator | None = None

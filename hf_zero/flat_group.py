@@ -177,6 +177,7 @@ class FlatParamGroup:
         self.num_ready = 0
         self.launched = False
         self._reduce_input: torch.Tensor | None = None  # stage 1: flat_grad while it reduces
+        self._landed = False  # NVMe optimizer: this backward's reduction is already written
 
     @property
     def numel(self) -> int:
@@ -284,12 +285,29 @@ class FlatParamGroup:
         """Wait for the launched reduction; `finish_reduce` still hands its result over."""
         self.reduce_codec.wait()
 
+    def land_reduction(self) -> None:
+        """NVMe optimizer: write the finished reduction out now rather than at the end of
+        backward (only then does every rank know whether any had a gradient: `finish_reduce`
+        commits it). A no-op for other groups."""
+        if self.swapped is None or not self.launched or self._landed:
+            return
+        reduced = self.reduce_codec.finish()
+        host = self._host_empty(reduced.numel())
+        self.grads.fold_host(host, start_copy(host, reduced), accumulate=True)
+        self._landed = True
+
     def finish_reduce(self, received: bool = True) -> None:
         """Wait for the reduction and hand the summed gradient to ``grads`` (`GradStore`).
 
         ``received=False`` (no rank had a gradient for this bucket) leaves it as it is, so a
         bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
         """
+        if self.swapped is not None:
+            self.land_reduction()
+            self.grads.commit(received)
+            self._landed = False
+            self._end_reduction()
+            return
         reduced = self.reduce_codec.finish()
         accumulate = self.stage >= 2  # stages 0-1 reduce a whole window's sum at once
         in_place = self.stage == 1 and self._reduce_input is self.flat_grad
@@ -313,6 +331,9 @@ class FlatParamGroup:
             self.grads.fold(reduced.div_(self.shard_group.size), False, averaged=True)
         else:
             self.grads.fold(reduced, accumulate, average_now=not in_place)
+        self._end_reduction()
+
+    def _end_reduction(self) -> None:
         self._reduce_input = None
         self.reset_backward()
         self.launched = False

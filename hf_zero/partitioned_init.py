@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from hf_zero import host_memory
 from hf_zero.config import ZeroConfig
 from hf_zero.partition import FlatLayout
 from hf_zero.stage3 import assign_params_to_units, find_units
@@ -69,6 +70,8 @@ def partitioned_init(
     """
     init_distributed()
     cfg = ZeroConfig.load(config, **overrides)
+    if "nvme" in (cfg.offload_param, cfg.offload_optimizer) and current_device().type == "cpu":
+        host_memory.unmap_large_frees()  # freed slices leave the process at once
     parents: dict[int, torch.nn.Module] = {}
     children: set[int] = set()
     order: list[torch.nn.Module] = []

@@ -42,11 +42,12 @@ class GradientReducer:
         # Stages 2-3 buckets reduced by a plain reduce-scatter (not qgZ): their full-size inputs
         # count against max_inflight_numel, their reduced shards are views of one slab per
         # backward and (dtype, device), sized here once.
-        # NVMe-offloaded groups write each reduced shard out as it lands: a slab would keep
-        # them all resident until the end of backward.
-        sliced = [
-            g for g in groups if stage >= 2 and g.reduce_codec.takes_output and g.swapped is None
-        ]
+        sliced = [g for g in groups if stage >= 2 and g.reduce_codec.takes_output]
+        # NVMe-offloaded groups take no slab: each reduced shard is written out as soon as its
+        # reduction is waited for (`FlatParamGroup.land_reduction`), not kept to the end.
+        swapped = [g for g in sliced if g.swapped is not None]
+        sliced = [g for g in sliced if g.swapped is None]
+        self._bounded = {id(g) for g in sliced + swapped}
         self._sliced = {id(g) for g in sliced}
         self._slab_numel: dict[tuple, int] = {}
         for g in sliced:
@@ -101,11 +102,10 @@ class GradientReducer:
             if only_ready and not group.all_ready:
                 return
             self._bound_inflight(group.numel)
-            if id(group) in self._sliced:
-                group.launch_reduce(async_op=True, output=self._output_for(group))
+            output = self._output_for(group) if id(group) in self._sliced else None
+            group.launch_reduce(async_op=True, output=output)
+            if id(group) in self._bounded:
                 self._inflight.append(group)
-            else:
-                group.launch_reduce(async_op=True)
             self._next_launch += 1
 
     def _output_for(self, group: FlatParamGroup) -> torch.Tensor:
@@ -132,7 +132,9 @@ class GradientReducer:
         while self._inflight and (
             sum(g.numel for g in self._inflight) + numel > self.max_inflight_numel
         ):
-            self._inflight.pop(0).wait_reduce()
+            oldest = self._inflight.pop(0)
+            oldest.wait_reduce()
+            oldest.land_reduction()
 
     def _finish_backward(self) -> None:
         if self._sync_this_backward:

@@ -6,6 +6,11 @@
 The same data options as finetune_lora.py; every parameter trains. ``save_model`` writes the
 whole model gathered from the shards: ``AutoModelForCausalLM.from_pretrained(output_dir)``.
 An existing DeepSpeed JSON works as it is: ``--zero_config ds_config.json``.
+
+``--model_config config.json`` trains a model built from a config instead (random initial
+weights, the embedded tokenizer); under ZeRO-3 it is built inside `hf_zero.partitioned_init()`,
+so no rank ever holds it whole - how a model larger than the machine's memory starts, e.g. with
+ZeRO-Infinity (``--zero_config configs/zero/ds_zero3_nvme.json``; docs/USER_GUIDE.md).
 """
 
 from __future__ import annotations
@@ -35,6 +40,36 @@ class DataArguments:
     dataset_name: str | None = field(default=None)
     text_file: str | None = field(default=None)
     block_size: int = field(default=64)
+    model_config: str | None = field(
+        default=None,
+        metadata={"help": "a model config.json to train from random weights (built partitioned "
+                  "under ZeRO-3); the embedded tokenizer"},
+    )  # fmt: skip
+
+
+def model_from_config(path: str, args: ZeroTrainingArguments):
+    """A causal LM built from ``path`` (random weights), partitioned under ZeRO-3."""
+    import contextlib
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_zero
+    from hf_zero.tiny import tiny_tokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = tiny_tokenizer()
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"--model_config {path!r}: vocab_size {config.vocab_size} is smaller than the "
+            f"embedded tokenizer's {len(tokenizer)}"
+        )
+    torch.manual_seed(args.seed)
+    stage3 = args.zero.stage == 3
+    build = hf_zero.partitioned_init(args.zero) if stage3 else contextlib.nullcontext()
+    with build:
+        model = AutoModelForCausalLM.from_config(config)
+    return model, tokenizer
 
 
 def main(argv=None) -> None:
@@ -42,7 +77,10 @@ def main(argv=None) -> None:
     data, args = parse_or_exit(parser.parse_args_into_dataclasses, args=argv)
     parse_or_exit(check_model_source, data.model_name_or_path)
     logging.basicConfig(level=logging.INFO if args.process_index == 0 else logging.WARNING)
-    model, tokenizer = load_model_and_tokenizer(data.model_name_or_path, seed=args.seed)
+    if data.model_config is not None:
+        model, tokenizer = model_from_config(data.model_config, args)
+    else:
+        model, tokenizer = load_model_and_tokenizer(data.model_name_or_path, seed=args.seed)
     with args.main_process_first(desc="tokenizing"):
         dataset = make_lm_dataset(tokenizer, data.block_size, data.dataset_name, data.text_file)
     train_and_save(model, tokenizer, args, dataset)

@@ -296,3 +296,23 @@ def test_swap_files_are_removed_when_a_run_dies_of_an_exception(tmp_path):
     assert swap_dir.parent.parent == nvme
     assert not swap_dir.exists() and not swap_dir.parent.exists()
     assert list(nvme.iterdir()) == []
+
+
+def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_zero.checkpoint_stream import write_streamed
+
+    a = {"x": torch.randn(5, 3), "step": torch.tensor(7.0)}
+    b = {"y": torch.arange(10, dtype=torch.int64), "z": torch.randn(4).to(torch.bfloat16)}
+    produced = []
+
+    def piece(tensors):
+        spec = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+        return spec, lambda: produced.append(sorted(tensors)) or tensors
+
+    write_streamed([piece(a), piece(b)], tmp_path / "f.safetensors")
+    loaded = load_file(tmp_path / "f.safetensors")
+    assert produced == [["step", "x"], ["y", "z"]]  # one piece at a time, in order
+    for k, v in {**a, **b}.items():
+        assert torch.equal(loaded[k], v), k

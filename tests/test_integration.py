@@ -362,3 +362,36 @@ def test_single_process_cpu_yaml_runs_the_lora_recipe_exactly_without_mixz(tmp_p
     assert losses[10] < losses[5]
     trained = torch.load(tmp_path / "probe_logits.pt")
     torch.testing.assert_close(_adapter_probe(tmp_path), trained, rtol=1e-5, atol=1e-5)
+
+
+def test_full_recipe_zero_infinity_from_a_model_config(tmp_path):
+    """The Hugging Face docs' ZeRO-3 NVMe JSON (only its nvme_path pointed here), a model built
+    partitioned from a config.json, two CPU ranks: it trains, saves a model that reproduces the
+    trained logits, and leaves no swap files behind."""
+    from hf_zero.tiny import tiny_llama_config, tiny_tokenizer
+
+    config_dir = tmp_path / "model_config"
+    tiny_llama_config(vocab_size=len(tiny_tokenizer())).save_pretrained(config_dir)
+    swap = tmp_path / "nvme"
+    ds = json.loads((ROOT / "configs/zero/ds_zero3_nvme.json").read_text())
+    for tier in ("offload_param", "offload_optimizer"):
+        ds["zero_optimization"][tier]["nvme_path"] = str(swap)
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "infinity"
+    done = _launch(
+        "finetune_full.py",
+        "--model_config", str(config_dir),
+        "--zero_config", str(tmp_path / "ds.json"),
+        "--output_dir", str(out),
+        "--max_steps", "20",
+        "--logging_steps", "10",
+        "--learning_rate", "3e-3",
+        "--save_strategy", "no",
+    )  # fmt: skip
+    log = done.stdout + done.stderr
+    assert "optimizer offloaded to nvme, parameter shards offloaded to nvme" in log, log[-3000:]
+    losses = _losses(out)
+    assert losses[20] < losses[10]
+    fresh = _saved_model_probe(out)
+    torch.testing.assert_close(fresh, torch.load(out / "probe_logits.pt"), rtol=1e-5, atol=1e-5)
+    assert swap.is_dir() and list(swap.iterdir()) == []  # the run's swap directory is gone

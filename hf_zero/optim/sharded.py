@@ -313,6 +313,17 @@ class ShardedOptimizer:
             return group.swapped.read_state()
         return self.optimizer.state.get(group.master, {})
 
+    def state_spec(self, group: FlatParamGroup) -> dict[str, tuple[torch.dtype, tuple]]:
+        """Dtype and shape of each state tensor of ``group``, without reading them."""
+        if group.swapped is not None:
+            swapped = group.swapped
+            spec = {k: (swapped.dtypes[k], (swapped.numel,)) for k in swapped.state_keys}
+            scalars = swapped.scalars.items()
+        else:
+            spec, scalars = {}, self.optimizer.state.get(group.master, {}).items()
+        spec.update({k: (v.dtype, tuple(v.shape)) for k, v in scalars if torch.is_tensor(v)})
+        return spec
+
     def load_state_of(self, group: FlatParamGroup, master: torch.Tensor, state: dict) -> None:
         """Replace ``group``'s fp32 master shard and optimizer state (a loaded checkpoint)."""
         if group.swapped is not None:

@@ -102,11 +102,17 @@ class SwappedGrads:
 
     def fold_host(self, host: torch.Tensor, done, accumulate: bool) -> None:
         """A reduced sum is being copied into ``host`` (``done``: CUDA event, or None); it is
-        landed and written out at once, so no group's gradient waits in memory for the step."""
+        landed and written out at once, so no group's gradient waits in memory for the step.
+        It counts once `commit` says some rank had a gradient."""
         if not accumulate:
             self.present = False  # replaced, as `GradStore.fold` replaces
         self._host = (host, done)
         self.land_host()
+
+    def commit(self, received: bool) -> None:
+        """End of backward: the landed sum counts if any rank had a gradient for the group
+        (else it was zeros: an earlier micro-batch's sum is unchanged, or there is none)."""
+        self.present = self.present or received
 
     def land_host(self) -> None:
         """Average the landed copy, add it to an earlier micro-batch's, note its norm, write."""
@@ -132,7 +138,6 @@ class SwappedGrads:
         # Only the future is kept: the I/O thread drops the buffer once it is written.
         self._writing = (buffer.numel() * 4, owner.files["grad"].write_async(buffer))
         del buffer
-        self.present = True
         self.factors = []
 
     def _wait_write(self) -> None:
