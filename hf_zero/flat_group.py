@@ -57,6 +57,7 @@ from hf_zero.memory import group_held_bytes
 from hf_zero.partition import FlatLayout
 from hf_zero.swap import SwapSpace
 from hf_zero.tiers import PARAM_TIERS, QuantizedTier, Tier
+from hf_zero.topology import Group
 
 
 class FlatParamGroup:
@@ -75,7 +76,7 @@ class FlatParamGroup:
         stage: int,
         dtype: torch.dtype,
         reduce_dtype: torch.dtype,
-        shard_group,
+        shard_group: Group,
         rank: int,
         comm: Collectives,
         offload: bool = False,
