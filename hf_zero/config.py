@@ -28,6 +28,7 @@ AUTO = "auto"
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 STAGES = (0, 1, 2, 3)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMM_DTYPES = (None, "fp32", "bf16", "fp16")
 
 
@@ -148,6 +149,17 @@ class ZeroConfig:
     # --- topology ----------------------------------------------------------------------------
     tp_size: int = 1
     """Tensor-parallel size (AutoTP); ZeRO runs over the ``world / tp_size`` data-parallel ranks."""
+
+    # --- pipeline parallelism (issue 19, first part: pp_size = world size, no ZeRO yet) -----
+    pp_size: int = 1
+    """Pipeline stages; > 1 makes `initialize` return a `PipelineEngine` (``train_batch``)."""
+    pp_schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (two virtual stages per rank)."""
+    pp_microbatches: int | None = None
+    """Micro-batches per ``train_batch`` (default: ``gradient_accumulation_steps`` if > 1, else
+    ``pp_size``)."""
+    pp_partition: str | list = "parameters"
+    """Layers per stage: ``parameters`` (balanced), ``uniform``, or a list of layer counts."""
     tp_plan: dict | str | None = None
     """AutoTP: module-name regexes -> styles (winning over the model's own ``tp_plan``), or a
     preset name (``"llama"``) for models that declare none."""
@@ -370,6 +382,10 @@ class ZeroConfig:
         for name in ("offload_param_buffer_count", "offload_optimizer_buffer_count"):
             _at_least(name, getattr(self, name), 1)
         _at_least("nvme_io_threads", self.nvme_io_threads, 1)
+        _at_least("pp_size", self.pp_size, 1)
+        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_microbatches is not None:
+            _at_least("pp_microbatches", self.pp_microbatches, 1)
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "

@@ -23,6 +23,7 @@ from hf_zero.flat_group import FlatParamGroup
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
 from hf_zero.optim.deepspeed_schedules import scheduler_from_config
+from hf_zero.pipeline.engine import PipelineEngine
 from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
@@ -40,7 +41,8 @@ def initialize(
     lr_scheduler=None,
     **overrides,
 ) -> ZeroEngine:
-    """Wrap ``model`` and ``optimizer`` for ZeRO training and return the engine.
+    """Wrap ``model`` and ``optimizer`` for ZeRO training and return the engine (with
+    ``pp_size`` > 1 a `hf_zero.pipeline.engine.PipelineEngine`, driven by ``train_batch``).
 
     Args:
         model: the model, on any device (it is moved to this rank's device).
@@ -56,11 +58,13 @@ def initialize(
 
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=2)
         for batch in loader:
-            loss = engine(**batch).loss
-            engine.backward(loss)
+            engine.backward(engine(**batch).loss)
             engine.step()
     """
-    return ZeroEngine(model, optimizer, ZeroConfig.load(config, **overrides), lr_scheduler)
+    config = ZeroConfig.load(config, **overrides)
+    if config.pp_size > 1:
+        return PipelineEngine(model, optimizer, config, lr_scheduler)
+    return ZeroEngine(model, optimizer, config, lr_scheduler)
 
 
 class ZeroEngine:
@@ -409,8 +413,7 @@ class ZeroEngine:
         return report
 
     def close(self) -> None:
-        """Remove this rank's NVMe swap files (also done at process exit). The engine cannot
-        train afterwards if any tier was on NVMe."""
+        """Remove this rank's NVMe swap files (done at exit too); no training after it."""
         for swap in set(self.swaps.values()):
             swap.close()
 
