@@ -33,13 +33,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import _free_port, proc_status, reset_peak
+from bench_memory import proc_status, reset_peak
+from common import launch_ranks
 
 CONFIGS = {  # name -> (offload_param, offload_optimizer)
     "stage 3": ("none", "none"),
@@ -195,27 +195,11 @@ def _int_or_auto(text: str) -> int | str:
 
 # --- the driver ----------------------------------------------------------------------------------
 def launch(args, worker: str, mode: str, tmp: Path) -> list[dict]:
-    port = _free_port()
-    procs, files = [], []
-    for rank in range(args.nproc):
-        out = tmp / f"{mode}.{worker.replace(' ', '_').replace('/', '-')}.{rank}.json"
-        files.append(out)
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(args.nproc),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [sys.executable, __file__, f"--{mode}", worker, "--result", str(out)]
-        cmd += [a for k, v in vars(args).items() if k in FORWARDED for a in (f"--{k}", str(v))]
-        procs.append(subprocess.Popen(cmd, env=env))
-    codes = [p.wait(timeout=args.timeout) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"{worker}: ranks exited with {codes}")
-    return [json.loads(f.read_text()) for f in files]
+    """Fresh ranks running ``--disk`` or ``--train`` ``worker`` with the forwarded options."""
+    flags = [f"--{mode}", worker]
+    flags += [a for k, v in vars(args).items() if k in FORWARDED for a in (f"--{k}", str(v))]
+    stem = tmp / f"{mode}.{worker.replace(' ', '_').replace('/', '-')}"
+    return launch_ranks(__file__, args.nproc, flags, stem, worker, args.timeout)
 
 
 FORWARDED = (

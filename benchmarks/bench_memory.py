@@ -29,9 +29,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -173,36 +170,13 @@ def worker(args) -> dict:
 
 
 # --- the driver --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(name: str, args, tmp: Path) -> list[dict]:
     """Launch a fresh group of ``args.nproc`` processes for one configuration."""
-    port = _free_port()
-    procs, files = [], []
-    for rank in range(args.nproc):
-        out = tmp / f"{name.replace(' ', '_')}.{rank}.json"
-        files.append(out)
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(args.nproc),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(args.nproc),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [sys.executable, __file__, "--worker", name, "--result", str(out)]
-        cmd += _size_flags(args)
-        procs.append(subprocess.Popen(cmd, env=env))
-    codes = [p.wait(timeout=args.timeout) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"{name}: ranks exited with {codes}")
-    return [json.loads(f.read_text()) for f in files]
+    from common import launch_ranks
+
+    flags = ["--worker", name, *_size_flags(args)]
+    stem = tmp / name.replace(" ", "_")
+    return launch_ranks(__file__, args.nproc, flags, stem, name, args.timeout)
 
 
 def _size_flags(args) -> list[str]:

@@ -23,7 +23,6 @@ from hf_zero.flat_group import FlatParamGroup
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
 from hf_zero.optim.deepspeed_schedules import scheduler_from_config
-from hf_zero.pipeline.engine import PipelineEngine
 from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
@@ -41,8 +40,7 @@ def initialize(
     lr_scheduler=None,
     **overrides,
 ) -> ZeroEngine:
-    """Wrap ``model`` and ``optimizer`` for ZeRO training and return the engine (with
-    ``pp_size`` > 1 a `hf_zero.pipeline.engine.PipelineEngine`, driven by ``train_batch``).
+    """Wrap ``model`` and ``optimizer`` for ZeRO training and return the engine.
 
     Args:
         model: the model, on any device (it is moved to this rank's device).
@@ -62,7 +60,9 @@ def initialize(
             engine.step()
     """
     config = ZeroConfig.load(config, **overrides)
-    if config.pp_size > 1:
+    if config.pp_size > 1:  # a PipelineEngine (train_batch); imported here: it loads in ~1 s
+        from hf_zero.pipeline.engine import PipelineEngine
+
         return PipelineEngine(model, optimizer, config, lr_scheduler)
     return ZeroEngine(model, optimizer, config, lr_scheduler)
 

@@ -293,7 +293,7 @@ class FlatParamGroup:
         if self.swapped is None or not self.launched or self._landed:
             return
         reduced = self.reduce_codec.finish()
-        host = self._host_empty(reduced.numel())
+        host = self.swapped.space.buffer(reduced.numel(), torch.float32)  # written out as is
         self.grads.fold_host(host, start_copy(host, reduced), accumulate=True)
         self._landed = True
 

@@ -89,10 +89,7 @@ class GradStore:
         """Offload: once the device-to-host copy has landed, average and accumulate it."""
         if self._host is None:
             return
-        (host, done), self._host = self._host, None
-        if done is not None:
-            done.synchronize()
-        grad = host.div_(self.world)
+        grad, self._host = landed_average(self._host, self.world), None
         if self.master.grad is None:
             self.master.grad = grad
         else:
@@ -166,6 +163,15 @@ class GradStore:
             for t in held
             if t is not None and not _shares(t, flat_grad)
         )
+
+
+def landed_average(copy: tuple[torch.Tensor, object], world: int) -> torch.Tensor:
+    """Wait for a device-to-host copy ``(host, done)`` (see `start_copy`) and average it over
+    ``world`` ranks, in place."""
+    host, done = copy
+    if done is not None:
+        done.synchronize()
+    return host.div_(world)
 
 
 def start_copy(host: torch.Tensor, reduced: torch.Tensor):

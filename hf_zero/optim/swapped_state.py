@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_zero.grad_store import landed_average
 from hf_zero.swap import SwapFile, SwapSpace
 
 
@@ -118,21 +119,15 @@ class SwappedGrads:
         """Average the landed copy, add it to an earlier micro-batch's, note its norm, write."""
         if self._host is None:
             return
-        (host, done), self._host = self._host, None
-        if done is not None:
-            done.synchronize()
-        grad = host.div_(self.world)
+        # The copy landed in an aligned swap buffer (`FlatParamGroup.land_reduction`): written as is.
+        buffer, self._host = landed_average(self._host, self.world), None
         owner = self.owner
         if "grad" not in owner.files:
             owner.add_key("grad", torch.float32)
-        buffer = owner.space.buffer(owner.numel, torch.float32)
         self._wait_write()
-        if self.present:
-            owner.files["grad"].read(buffer)
-            buffer.add_(grad)
-        else:
-            buffer.copy_(grad)
-        del grad, host
+        if self.present:  # an earlier micro-batch's sum: old + new, the order `GradStore` adds in
+            old = owner.files["grad"].read(owner.space.buffer(owner.numel, torch.float32))
+            buffer = old.add_(buffer)
         self._square_sum = buffer.pow(2).sum()
         self._finite = bool(torch.isfinite(buffer).all())
         # Only the future is kept: the I/O thread drops the buffer once it is written.
