@@ -109,10 +109,6 @@ class SwapSpace:
         skip = (-raw.data_ptr()) % ALIGN
         return raw[skip : skip + nbytes].view(dtype)[:numel]
 
-    def disk_bytes(self) -> int:
-        """Bytes reserved in this rank's swap files."""
-        return sum(f.nbytes for f in self.files)
-
     def close(self) -> None:
         """Close every file and remove this run's directory (idempotent)."""
         if self._closed:

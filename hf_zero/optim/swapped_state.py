@@ -99,8 +99,6 @@ class SwappedGrads:
         self._host: tuple[torch.Tensor, object] | None = None  # a device-to-host copy in flight
         self._writing = None
 
-    lazy = False
-
     def fold_host(self, host: torch.Tensor, done, accumulate: bool) -> None:
         """A reduced sum is being copied into ``host`` (``done``: CUDA event, or None); it is
         landed and written out at once, so no group's gradient waits in memory for the step.
@@ -174,6 +172,3 @@ class SwappedGrads:
     def resident_bytes(self) -> int:
         writing = self._writing is not None and not self._writing[1].done()
         return self._writing[0] if writing else 0
-
-    def held_bytes(self, flat_grad=None) -> int:
-        return self.resident_bytes()

@@ -49,11 +49,6 @@ class NvmeTier(Tier):
         done.result()
         return buffer.to(self.device, non_blocking=True)
 
-    @property
-    def reading(self) -> bool:
-        """A read-ahead is in flight or landed and not yet used."""
-        return self._read is not None
-
     def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
         self._drop_read()  # its bytes are about to be stale
         per_block = ALIGN // self.itemsize
