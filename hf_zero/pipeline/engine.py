@@ -1,21 +1,21 @@
 """`PipelineEngine`: a causal LM trained in pipeline stages, one optimizer step per `train_batch`.
 
-First part of issue 19: every process is one pipeline stage (``pp_size`` = world size; two
-virtual stages per rank with ``interleaved_1f1b``), without data or tensor parallelism and with
-plain (unsharded) optimizer state per stage. `train_batch` cuts the batch into
-``pp_microbatches`` along dim 0, runs the schedule (`torch.distributed.pipelining`, measured exact
-on gloo/CPU in tests/test_pipeline.py), sums the tied embedding's two copies' gradients, clips the
-global norm across all stages, steps the user's optimizer and returns the mean micro-batch loss on
-every rank.
+Ranks form a ``pp x dp x tp`` grid (`PipelineTopology`: pipeline outermost, tensor innermost).
+AutoTP splits the model inside every stage (as `ZeroEngine` does), the model is cut into stages
+(`split.py`; two virtual stages per rank with ``interleaved_1f1b``), and
+`torch.distributed.pipelining` runs the schedule on each pipeline (measured exact on gloo/CPU in
+tests/test_pipeline.py). `train_batch` cuts the replica's batch into ``pp_microbatches`` along
+dim 0, runs the schedule, sums the tied embedding's two copies' gradients, averages the
+gradients over the stage's data-parallel group (ZeRO-1/2 shard the optimizer state:
+`StageOptimizer`), clips the global norm across every stage, steps, and returns the replica's
+mean micro-batch loss on every rank of the replica.
 
-Each rank builds the whole model, keeps its stages' parameters and empties the others' (they get
-no gradient, so the optimizer skips them and never holds state for them).
+Each rank builds the whole model, keeps its stages' parameters and empties the others'.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from hf_zero.comm import Collectives
 from hf_zero.config import ZeroConfig
+from hf_zero.optim import build_optimizer, check_elementwise
+from hf_zero.optim.deepspeed_schedules import scheduler_from_config
 from hf_zero.pipeline.split import CausalLMStage, split_causal_lm, sync_tied_grads
-from hf_zero.topology import current_device, init_distributed
+from hf_zero.pipeline.stage_optimizer import StageOptimizer
+from hf_zero.pipeline.topology import PipelineTopology
+from hf_zero.topology import Group, current_device, init_distributed
+from hf_zero.tp import TensorParallel, resolve_plan
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -39,61 +45,108 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
+def check_supported(config: ZeroConfig) -> None:
+    """Refuse what pipeline stages do not combine with, before any process-group work."""
+    if config.stage == 3:
+        raise NotImplementedError(
+            "hf_zero pipeline: 'stage' = 3 with 'pp_size' > 1 is not supported: ZeRO-3 gathers a "
+            "layer's parameters for each forward and backward, and a pipeline runs every layer "
+            "once per micro-batch, so it would gather each layer 2 x pp_microbatches times per "
+            "step (DeepSpeed refuses it too). Use 'stage' 1 or 2, which shard the optimizer "
+            "state (and gradients) over each stage's data-parallel group"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(config, key) != "none":
+            raise NotImplementedError(
+                f"hf_zero pipeline: '{key}' = {getattr(config, key)!r} with 'pp_size' > 1 is not "
+                "implemented; pipeline stages keep their state on the device"
+            )
+    if config.precision != "fp32" or config.quantized_weights or config.quantized_gradients:
+        raise NotImplementedError(
+            "hf_zero pipeline: pipeline stages run fp32 without ZeRO++ quantization for now "
+            f"(got precision {config.precision!r}); set 'precision': 'fp32'"
+        )
+
+
 class PipelineEngine:
-    """Pipeline stages over all processes; built by `hf_zero.initialize` when ``pp_size`` > 1."""
+    """Pipeline stages (x data x tensor parallelism); built by `hf_zero.initialize` when
+    ``pp_size`` > 1."""
 
     def __init__(self, model, optimizer, config: ZeroConfig, lr_scheduler=None) -> None:
         init_distributed()
-        world, rank = dist.get_world_size(), dist.get_rank()
-        pp = config.pp_size
-        if pp != world or config.tp_size != 1:
-            raise NotImplementedError(
-                f"hf_zero pipeline: 'pp_size' = {pp} on {world} processes (tp_size "
-                f"{config.tp_size}): data and tensor parallelism alongside pipeline stages are "
-                "not implemented yet (issue 19); run pp_size = the number of processes"
-            )
-        if config.stage != 0 or config.offload_optimizer != "none":
-            raise NotImplementedError(
-                f"hf_zero pipeline: 'stage' = {config.stage} with pipeline stages is not "
-                "implemented yet (issue 19); each stage keeps its own optimizer state (stage 0)"
-            )
+        dp_size = max(1, dist.get_world_size() // (config.pp_size * config.tp_size))
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config.resolve_auto(hidden_size=hidden, world_size=dp_size)
+        config.check_batch_sizes(dp_size)
+        check_supported(config)
         if optimizer is None:
-            raise ValueError("hf_zero pipeline: pass an optimizer built on model.parameters()")
+            if config.optimizer is None:
+                raise ValueError(
+                    "hf_zero pipeline: pass an optimizer built on model.parameters(), or give "
+                    "the config an 'optimizer' section"
+                )
+            optimizer = build_optimizer(
+                [p for p in model.parameters() if p.requires_grad], config.optimizer
+            )
+        check_elementwise(optimizer, config.allow_untested_optimizer)
+        if lr_scheduler is None and config.scheduler is not None:
+            lr_scheduler = scheduler_from_config(optimizer, config)
         self.config, self.module, self.optimizer = config, model, optimizer
         self.lr_scheduler = lr_scheduler
         self.device = current_device()
-        self.topology = SimpleNamespace(
-            pp_rank=rank, dp_rank=0, tp_rank=0, pp_size=pp, dp_size=1, tp_size=1, rank=rank
-        )
+        self.topology = topo = PipelineTopology.build(config.pp_size, config.tp_size)
+        self.comm = Collectives(native_collectives=config.native_collectives)
+        world = Group(None, tuple(range(dist.get_world_size())), False)
+        with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does
+            for t in list(model.parameters()) + list(model.buffers()):
+                self.comm.broadcast(t.data, 0, world)
+        self.tp = self._apply_tp() if config.tp_size > 1 else None
+
         virtual = 2 if config.pp_schedule == "interleaved_1f1b" else 1
-        n_stages = pp * virtual
+        self.num_stages = n_stages = topo.pp_size * virtual
+        self.stage_ids = list(range(topo.pp_rank, n_stages, topo.pp_size))  # looped placement
         self.stages: list[CausalLMStage] = [
-            split_causal_lm(model, n_stages, s, config.pp_partition)
-            for s in range(rank, n_stages, pp)  # looped placement: rank r runs r, r + pp, ...
+            split_causal_lm(model, n_stages, s, config.pp_partition) for s in self.stage_ids
         ]
         self._release_other_stages()
         for stage in self.stages:
             stage.to(self.device)
-        self._adopt_tied_copy()
+        self.tied_copy = self._adopt_tied_copy()
         self.first = any(s.first for s in self.stages)
         self.last = any(s.last for s in self.stages)
-        self.last_rank = (n_stages - 1) % pp
         self.microbatches = config.pp_microbatches or (
-            config.gradient_accumulation_steps if config.gradient_accumulation_steps > 1 else pp
-        )
+            config.gradient_accumulation_steps if config.gradient_accumulation_steps > 1 else
+            topo.pp_size
+        )  # fmt: skip
         pipes = [
-            PipelineStage(m, s, n_stages, self.device)
-            for m, s in zip(self.stages, range(rank, n_stages, pp))
+            PipelineStage(m, s, n_stages, self.device, group=topo.pp.pg)
+            for m, s in zip(self.stages, self.stage_ids)
         ]
         if virtual > 1:
             self.schedule = ScheduleInterleaved1F1B(pipes, self.microbatches, loss_fn=lm_loss)
         else:
             cls = SCHEDULES[config.pp_schedule]
             self.schedule = cls(pipes[0], self.microbatches, loss_fn=lm_loss)
-        tied = self.stages[0].tied and n_stages > 1
-        self._tied_group = dist.new_group([0, self.last_rank]) if tied else None
+        self.tied = self.stages[0].tied
+        self.stage_optimizer = StageOptimizer(
+            self.stage_parameters(), optimizer, config.stage, topo.dp, topo.rank, self.comm,
+            self._norm_weight,
+        )  # fmt: skip
         self.global_steps = 0
         self.last_grad_norm: float | None = None
+
+    def _apply_tp(self) -> TensorParallel:
+        plan = resolve_plan(self.module, self.config.tp_plan)
+        if not plan:
+            raise ValueError(
+                f"hf_zero AutoTP: 'tp_size' = {self.config.tp_size} but "
+                f"{type(self.module).__name__} declares no tp_plan; set 'tp_plan' in the config"
+            )
+        tp = TensorParallel(self.module, plan, self.topology.tp, self.comm)
+        tp.apply()
+        for group in self.optimizer.param_groups:
+            group["params"] = [tp.replaced.get(id(p), p) for p in group["params"]]
+        return tp
 
     def _release_other_stages(self) -> None:
         """Empty the parameters no stage of this rank runs (the optimizer skips them)."""
@@ -102,7 +155,7 @@ class PipelineEngine:
             if id(p) not in mine:
                 p.data = torch.empty(0, dtype=p.dtype)
 
-    def _adopt_tied_copy(self) -> None:
+    def _adopt_tied_copy(self) -> torch.nn.Parameter | None:
         """The last stage's copy of a tied weight steps with the embedding's param group."""
         for stage in self.stages:
             if stage.last and stage.tied and not stage.first:
@@ -110,28 +163,43 @@ class PipelineEngine:
                 for group in self.optimizer.param_groups:
                     if any(p is embed for p in group["params"]):
                         group["params"].append(stage.lm_head.weight)
+                return stage.lm_head.weight
+        return None
+
+    def _norm_weight(self, p: torch.nn.Parameter) -> int:
+        """1 when this rank counts ``p``'s gradient in the global norm (each element once)."""
+        if p is self.tied_copy:
+            return 0  # the embedding on the first stage counts the tied weight
+        if self.tp is not None and self.tp.shard_of(p) is None and self.topology.tp_rank != 0:
+            return 0  # TP-replicated: the same gradient on every TP rank
+        return 1
+
+    def stage_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, every stage of it, in order (a tied copy included)."""
+        return list(dict.fromkeys(p for s in self.stages for p in s.parameters()))
 
     # --- training --------------------------------------------------------------------------
     def train_batch(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on ``batch`` (this replica's samples: ``input_ids``, optional
-        ``attention_mask`` and ``labels``); the mean micro-batch loss, on every rank."""
-        losses = self._run(batch, self.schedule.step)
-        if self._tied_group is not None:
+        ``attention_mask`` and ``labels``); the replica's mean micro-batch loss, on every rank
+        of the replica."""
+        loss = self._run(batch, self.schedule.step)
+        if self.tied and self.num_stages > 1:
             for stage in self.stages:
                 if stage.first or stage.last:
-                    sync_tied_grads(stage, self._tied_group)
+                    sync_tied_grads(stage, self.topology.tied.pg)
+        self.stage_optimizer.reduce()
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.stage_optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
-        return losses
+        return loss
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, torch.Tensor]) -> float:
-        """The mean micro-batch loss of ``batch`` without a step."""
+        """The replica's mean micro-batch loss on ``batch``, without a step."""
         return self._run(batch, self.schedule.eval)
 
     def _run(self, batch: dict[str, torch.Tensor], run) -> float:
@@ -153,42 +221,45 @@ class PipelineEngine:
         mean = torch.zeros(1, device=self.device)
         if self.last:
             mean += torch.stack([x.detach().float() for x in losses]).mean()
-        dist.broadcast(mean, self.last_rank)
+        topo = self.topology
+        src = topo.rank_of(topo.pp_size - 1, topo.dp_rank, topo.tp_rank)
+        dist.broadcast(mean, src, group=topo.pp.pg)
         return mean.item()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip the global gradient norm over every stage (a tied weight counted once); returns
-        the norm before clipping."""
-        own = [p for s in self.stages for p in self._unique(s) if p.grad is not None]
-        sq = torch.zeros(1, device=self.device)
-        for p in own:
-            sq += p.grad.float().pow(2).sum()
+        """Clip the global gradient norm over every stage, replica and TP slice (a tied weight
+        counted once); returns the norm before clipping. Call after the reduction."""
+        sq = self.stage_optimizer.grad_norm_sq().to(self.device)
         dist.all_reduce(sq)
         norm = math.sqrt(sq.item())
         coef = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
         if coef < 1.0:
-            for s in self.stages:
-                for p in s.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+            self.stage_optimizer.scale_grads(coef)
         self.last_grad_norm = norm
         return norm
 
-    @staticmethod
-    def _unique(stage: CausalLMStage):
-        copy = stage.lm_head.weight if stage.last and stage.tied and not stage.first else None
-        return [p for p in stage.parameters() if p is not copy]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict with its Hugging Face names on rank 0 (``{}`` elsewhere;
-        collective)."""
+    # --- weights and checkpoints -----------------------------------------------------------
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (TP slices) with their Hugging Face names, on CPU."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        mine = {
+        return {
             names[id(p)]: p.detach().to("cpu", copy=True)
-            for s in self.stages
-            for p in s.parameters()
+            for p in self.stage_parameters()
             if id(p) in names
         }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters with their Hugging Face names on rank 0 (``{}``
+        elsewhere; collective)."""
+        mine = self.stage_state_dict()
+        if self.tp is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            for p in self.stage_parameters():
+                shard = self.tp.shard_of(p)
+                if shard is not None and id(p) in names:
+                    mine[names[id(p)]] = self.tp.gather_full(p.detach(), shard).cpu()
+        if self.topology.dp_rank != 0 or self.topology.tp_rank != 0:
+            mine = {}
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, parts, dst=0)
         if dist.get_rank() != 0:
@@ -197,3 +268,15 @@ class PipelineEngine:
         for part in parts:
             full.update(part)
         return full
+
+    def save_checkpoint(self, directory, keep_last: int | None = None) -> None:
+        """Write a per-stage checkpoint atomically (collective); see `pipeline.checkpoint`."""
+        from hf_zero.pipeline.checkpoint import save_checkpoint
+
+        save_checkpoint(self, directory, keep_last)
+
+    def load_checkpoint(self, directory) -> None:
+        """Resume from `save_checkpoint`'s directory, at this or another pp/dp layout."""
+        from hf_zero.pipeline.checkpoint import load_checkpoint
+
+        load_checkpoint(self, directory)

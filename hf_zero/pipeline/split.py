@@ -1,10 +1,12 @@
-"""Cut a Hugging Face causal LM (Llama, Qwen2/3, Mistral family) into pipeline stages.
+"""Cut a Hugging Face causal LM into pipeline stages: the Llama family (``model.embed_tokens /
+layers / norm``: Llama, Qwen2/3, Mistral, ...) and the GPT-2 family (``transformer.wte / wpe /
+h / ln_f``).
 
-Stage 0 holds the token embedding and the first decoder layers, the last stage the last layers,
-the final norm and the LM head; layers go to stages contiguously. Every stage recomputes what is
-cheap and identical everywhere instead of sending it: position ids (``arange``, as the model
-does without a cache), rotary embeddings and the 4-D attention mask (from the 2-D padding mask,
-which travels with the hidden states). A tied head (``tie_word_embeddings``) becomes a copy on
+Stage 0 holds the token (and GPT-2's position) embedding and the first decoder layers, the last
+stage the last layers, the final norm and the LM head; layers go to stages contiguously. Every
+stage recomputes what is cheap and identical everywhere instead of sending it: position ids
+(``arange``, as the model does without a cache), rotary embeddings and the 4-D attention mask
+(from the 2-D padding mask, which travels with the hidden states). A tied head (``tie_word_embeddings``) becomes a copy on
 the last stage; `sync_tied_grads` sums the two copies' gradients so both take the tied update.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -85,6 +88,38 @@ def _balanced(sizes: list[int], parts: int, first: int, last: int) -> list[int]:
     return counts[::-1]
 
 
+@dataclass
+class DecoderLayout:
+    """Where a causal LM keeps the parts a stage needs (attribute names differ by family)."""
+
+    embed: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    positions: nn.Embedding | None = None
+    """Learned position embedding added to the token embedding (GPT-2's ``wpe``)."""
+    dropout: nn.Module | None = None
+    """Dropout after the embedding (GPT-2's ``drop``)."""
+    rotary: nn.Module | None = None
+    """Rotary embedding every stage computes for its layers (Llama's ``rotary_emb``)."""
+
+
+def decoder_layout(model: nn.Module) -> DecoderLayout:
+    """The parts of ``model``; a clear error for a model of neither supported family."""
+    base = getattr(model, "model", None)
+    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
+        return DecoderLayout(
+            base.embed_tokens, base.layers, base.norm, rotary=getattr(base, "rotary_emb", None)
+        )
+    base = getattr(model, "transformer", None)
+    if base is not None and all(hasattr(base, a) for a in ("wte", "wpe", "h", "ln_f")):
+        return DecoderLayout(base.wte, base.h, base.ln_f, base.wpe, getattr(base, "drop", None))
+    raise NotImplementedError(
+        f"hf_zero pipeline: {type(model).__name__} has neither the Llama-family layout "
+        "(model.embed_tokens / layers / norm) nor the GPT-2 one (transformer.wte / wpe / h / "
+        "ln_f); other layouts cannot be cut into stages yet"
+    )
+
+
 class CausalLMStage(nn.Module):
     """One stage of a decoder-only LM. Stage 0 takes ``input_ids``; the others take the hidden
     states. Every stage but the last returns ``(hidden_states, attention_mask)`` (the mask is
@@ -92,16 +127,18 @@ class CausalLMStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        base = model.model
+        parts = decoder_layout(model)
         self.config = model.config
         self.first, self.last = first, last
-        self.tied = model.lm_head.weight is base.embed_tokens.weight
+        self.tied = model.lm_head.weight is parts.embed.weight
         """The head shares the embedding's weight: first and last stage hold a copy each."""
         self.layer_indices = list(layers)
-        self.embed_tokens = base.embed_tokens if first else None
-        self.layers = nn.ModuleList(base.layers[i] for i in layers)
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if last else None
+        self.embed_tokens = parts.embed if first else None
+        self.positions = parts.positions if first else None
+        self.dropout = parts.dropout if first else None
+        self.layers = nn.ModuleList(parts.layers[i] for i in layers)
+        self.rotary_emb = parts.rotary
+        self.norm = parts.norm if last else None
         self.lm_head = None
         if last:
             head = model.lm_head
@@ -120,10 +157,16 @@ class CausalLMStage(nn.Module):
         the keyword arguments)."""
         from transformers.masking_utils import create_causal_mask
 
-        hidden = self.embed_tokens(x) if self.first else x
+        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        hidden = x
+        if self.first:
+            hidden = self.embed_tokens(x)
+            if self.positions is not None:
+                hidden = hidden + self.positions(position_ids)
+            if self.dropout is not None:
+                hidden = self.dropout(hidden)
         mask = attention_mask if self.first else mask
         mask2d = mask if mask is not None and mask.numel() else None
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         causal = create_causal_mask(
             config=self.config,
             inputs_embeds=hidden,
@@ -131,11 +174,11 @@ class CausalLMStage(nn.Module):
             cache=None,
             position_ids=position_ids,
         )
-        rotary = self.rotary_emb(hidden, position_ids=position_ids)
+        extra = {}
+        if self.rotary_emb is not None:
+            extra["position_embeddings"] = self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers:
-            hidden = layer(
-                hidden, attention_mask=causal, position_embeddings=rotary, position_ids=position_ids
-            )
+            hidden = layer(hidden, attention_mask=causal, position_ids=position_ids, **extra)
         if self.last:
             return self.lm_head(self.norm(hidden))
         empty = torch.empty(0, device=hidden.device)
@@ -146,16 +189,10 @@ def split_causal_lm(
     model: nn.Module, pp_size: int, pp_rank: int, partition: str | Sequence[int] = "parameters"
 ) -> CausalLMStage:
     """The stage module rank ``pp_rank`` of ``pp_size`` runs (it shares the model's modules)."""
-    base = getattr(model, "model", None)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
-        raise NotImplementedError(
-            f"hf_zero pipeline: {type(model).__name__} is not a Llama-family causal LM "
-            "(model.model.embed_tokens / layers / norm); other layouts (GPT-2's transformer.h) "
-            "are not supported yet"
-        )
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
-    embed = base.embed_tokens.weight.numel()
-    head = model.lm_head.weight.numel() + sum(p.numel() for p in base.norm.parameters())
+    parts = decoder_layout(model)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in parts.layers]
+    embed = parts.embed.weight.numel() + (parts.positions.weight.numel() if parts.positions else 0)
+    head = model.lm_head.weight.numel() + sum(p.numel() for p in parts.norm.parameters())
     bounds = partition_layers(sizes, pp_size, partition, first_extra=embed, last_extra=head)
     return CausalLMStage(model, bounds[pp_rank], pp_rank == 0, pp_rank == pp_size - 1)
 
