@@ -102,6 +102,10 @@ def consolidate(
 ) -> list[Path]:
     """Write the checkpoint's parameters as Hugging Face safetensors; returns the files written
     (with the config and tokenizer files copied from a Trainer checkpoint)."""
+    from hf_zero.pipeline.checkpoint import consolidate_pipeline, is_pipeline_checkpoint
+
+    if is_pipeline_checkpoint(checkpoint):
+        return consolidate_pipeline(checkpoint, output, dtype)
     checkpoint, saved_dir = resolve_checkpoint(checkpoint)
     output = Path(output)
     reader = ShardReader(checkpoint, read_meta(checkpoint))

@@ -71,17 +71,27 @@ class StageOptimizer:
             )
             flat = _Flat(members, layout, [norm_weight(p) for p in members])
             if stage >= 1:
-                start, end = layout.shard_range(self.dp_index)
-                whole = self._flatten([p.data for p in members], layout)
-                flat.master = torch.nn.Parameter(whole[start:end].clone())
+                flat.master = torch.nn.Parameter(torch.empty(0))
             self.flats.append(flat)
+        self.copy_params_to_master()
         if stage >= 1:  # the optimizer now steps the shards (its state is 1/dp of the stage's)
             for group, flat in zip(optimizer.param_groups, self.flats):
                 group["params"] = [flat.master] if flat is not None else []
             optimizer.state.clear()
 
+    @torch.no_grad()
+    def copy_params_to_master(self) -> None:
+        """ZeRO-1/2: (re)take this rank's fp32 master shards from the parameters (at start, and
+        after a checkpoint wrote new values into them)."""
+        for flat in self._flats():
+            if flat.master is not None:
+                start, end = flat.layout.shard_range(self.dp_index)
+                whole = self.flatten([p.data for p in flat.params], flat.layout)
+                flat.master.data = whole[start:end].clone()
+
     @staticmethod
-    def _flatten(tensors: list[torch.Tensor | None], layout: FlatLayout) -> torch.Tensor:
+    def flatten(tensors: list[torch.Tensor | None], layout: FlatLayout) -> torch.Tensor:
+        """``tensors`` (one per slot, ``None`` for zeros) laid out in an fp32 flat buffer."""
         flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=_device(tensors))
         for slot, t in zip(layout.slots, tensors):
             if t is not None:
@@ -92,7 +102,7 @@ class StageOptimizer:
         """Average the stage's gradients over the data-parallel group (stage 0: whole; 1-2:
         this rank's shard) and free the parameters' own gradients (ZeRO-1/2)."""
         for flat in self._flats():
-            full = self._flatten([p.grad for p in flat.params], flat.layout)
+            full = self.flatten([p.grad for p in flat.params], flat.layout)
             if self.stage == 2:
                 shard = torch.empty(flat.layout.shard_numel, device=full.device)
                 self.comm.reduce_scatter(shard, full, self.dp)
