@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from hf_zero.deepspeed_parallel import pipeline_values, tp_plan_from_partition_config
 
 AUTO = "auto"
 HONOURED, INHERENT, NO_EFFECT, REFUSED, SECTION = (
@@ -282,7 +283,31 @@ KEYS: dict[str, Fate] = {
     "curriculum_learning": Fate(REFUSED, "not implemented", _enabled_section),
     "data_efficiency": Fate(REFUSED, "not implemented", _enabled_section),
     "compression_training": Fate(REFUSED, "not implemented", _always),
-    "pipeline": Fate(REFUSED, "pipeline parallelism is not implemented", _always),
+    # --- pipeline parallelism (DeepSpeed's PipelineModule settings) -------------------------
+    "pipeline": _SECTION,
+    "pipeline.stages": _h("pp_size", 2),
+    "pipeline.partition": _h("pp_partition", "uniform"),
+    "pipeline.seed_layers": Fate(
+        NO_EFFECT,
+        "stages are cut from the built model, which keeps its own initialisation",
+        _truthy,
+    ),
+    "pipeline.activation_checkpoint_interval": Fate(
+        NO_EFFECT,
+        "use `gradient_checkpointing` (Trainer) or `model.gradient_checkpointing_enable()`",
+        _not(0),
+    ),
+    "pipeline.pipe_partitioned": Fate(
+        NO_EFFECT,
+        "each TP rank sends its whole activation to the next stage's same TP rank",
+        _truthy,
+    ),
+    "pipeline.grad_partitioned": Fate(
+        NO_EFFECT,
+        "each TP rank sends its whole activation gradient to the previous stage",
+        _truthy,
+    ),
+    "pipeline.use_reentrant": Fate(NO_EFFECT, "activation checkpointing is the model's own"),
     "seq_parallel_communication_data_type": Fate(
         NO_EFFECT, "sequence parallelism is not implemented"
     ),
@@ -365,7 +390,6 @@ _FIELD_OF = {
     and not key.startswith("tensor_parallel.")
 }  # plain one-to-one copies
 _DTYPE_NAMES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}
-_PARTITION_TYPES = {"column": "colwise", "row": "rowwise", "skip": None}
 
 
 def is_deepspeed_config(raw: Mapping, hf_zero_fields: set[str]) -> bool:
@@ -397,12 +421,13 @@ def from_deepspeed(raw: Mapping) -> dict[str, Any]:
                 "supported; allowed: 'none', 'cpu', 'nvme'"
             )
         values[tier] = device
+    pipeline_values(values)
     tp = _get(raw, "tensor_parallel")
     size = tp.get("autotp_size", tp.get("tp_size"))
     if size is not None:
         values["tp_size"] = size
     if "partition_config" in tp:
-        values["tp_plan"] = _partition_config(tp["partition_config"])
+        values["tp_plan"] = tp_plan_from_partition_config(tp["partition_config"])
     return values
 
 
@@ -444,28 +469,3 @@ def _dtype(value: str) -> str:
             + ", ".join(sorted(_DTYPE_NAMES))
         )
     return _DTYPE_NAMES[value]
-
-
-def _partition_config(section: Mapping) -> dict[str, str]:
-    """DeepSpeed AutoTP ``layer_specs`` (parameter regexes, row/column) -> hf_zero ``tp_plan``."""
-    allowed = {"use_default_specs", "layer_specs"}
-    for key in section:
-        if key not in allowed:
-            raise ValueError(
-                f"deepspeed config: unknown key 'tensor_parallel.partition_config.{key}'"
-                f"{suggest(key, allowed)}. Allowed here: {', '.join(sorted(allowed))}"
-            )
-    plan = {}
-    for spec in section.get("layer_specs", []):
-        kind = spec.get("partition_type")
-        if kind not in _PARTITION_TYPES:
-            raise ValueError(
-                f"deepspeed config: 'partition_type' = {kind!r} is not supported; allowed: "
-                + ", ".join(repr(k) for k in _PARTITION_TYPES)
-            )
-        for pattern in spec.get("patterns", []):
-            # DeepSpeed matches parameter names (``...o_proj.weight``); hf_zero matches modules.
-            module_pattern = re.sub(r"(\\?\.weight)?\$?$", "", pattern)
-            if _PARTITION_TYPES[kind]:
-                plan[module_pattern] = _PARTITION_TYPES[kind]
-    return plan

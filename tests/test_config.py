@@ -294,12 +294,21 @@ def test_inherent_and_inactive_keys_are_silent():
         ({"amp": {"enabled": True}}, r"'amp' = .* use `fp16` or `bf16`"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, r"always fp32"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, r"partial offload"),
-        ({"pipeline": {"stages": "auto"}}, r"'pipeline' .* pipeline parallelism is not implemented"),
+        ({"pipeline": {"partition": "type:LlamaDecoderLayer"}}, r"'pipeline.partition' = 'type:Llama.*allowed: 'parameters'"),
     ],
 )  # fmt: skip
 def test_refused_keys_name_key_value_and_why(ds, match):
     with pytest.raises(ValueError, match=match):
         ZeroConfig.load(ds)
+
+
+def test_deepspeed_pipeline_section():
+    cfg = ZeroConfig.load({"pipeline": {"stages": 4, "partition": "best", "pipe_partitioned": False}})
+    assert cfg.pp_size == 4 and cfg.pp_partition == "parameters"
+    cfg = ZeroConfig.load({"pipeline": {"stages": "auto", "partition": "uniform"}}, pp_size=2)
+    assert cfg.pp_size == 2 and cfg.pp_partition == "uniform"
+    with pytest.warns(UserWarning, match="pipeline.activation_checkpoint_interval"):
+        ZeroConfig.load({"pipeline": {"activation_checkpoint_interval": 1}})
 
 
 def test_every_honoured_deepspeed_key_sets_its_field():
