@@ -303,7 +303,9 @@ def test_refused_keys_name_key_value_and_why(ds, match):
 
 
 def test_deepspeed_pipeline_section():
-    cfg = ZeroConfig.load({"pipeline": {"stages": 4, "partition": "best", "pipe_partitioned": False}})
+    cfg = ZeroConfig.load(
+        {"pipeline": {"stages": 4, "partition": "best", "pipe_partitioned": False}}
+    )
     assert cfg.pp_size == 4 and cfg.pp_partition == "parameters"
     cfg = ZeroConfig.load({"pipeline": {"stages": "auto", "partition": "uniform"}}, pp_size=2)
     assert cfg.pp_size == 2 and cfg.pp_partition == "uniform"

@@ -172,7 +172,10 @@ def _gpt2(vocab: int) -> torch.nn.Module:
 # --- the engine: hf_zero.initialize(..., pp_size=N) and train_batch ---------------------------
 
 
-def _train(pp: int, schedule: str, tied: bool, steps: int = 3, gpt2: bool = False, **cfg) -> dict:
+def _train(
+    pp: int, schedule: str, tied: bool, steps: int = 3, gpt2: bool = False, vary: bool = False,
+    **cfg,
+) -> dict:  # fmt: skip
     """``steps`` AdamW steps through the engine on ``pp x dp x tp`` ranks (dp and tp from the
     world size and ``cfg``), against one process training the whole model on the same global
     batches: replica ``d`` takes the ``d``-th slice of each, as a data loader's sampler would."""
@@ -203,6 +206,8 @@ def _train(pp: int, schedule: str, tied: bool, steps: int = 3, gpt2: bool = Fals
     for step in range(steps):
         batch = {"input_ids": ids.roll(step, 0), "attention_mask": mask.roll(step, 0),
                  "labels": labels.roll(step, 0)}  # fmt: skip
+        if vary:  # another sequence length every step (the stages re-size their buffers)
+            batch = {k: v[:, : SEQ - 2 * step] for k, v in batch.items()}
         losses.append(engine.train_batch({k: v[mine] for k, v in batch.items()}))
         replica_losses = _replica_backward(reference, batch, dp)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
@@ -264,7 +269,9 @@ def _check_training(
     [(2, "1f1b", True), (2, "gpipe", False), (2, "interleaved_1f1b", False)],
 )
 def test_train_batch_equals_single_process_training(pp, schedule, tied):
-    _check_training(run_distributed(_train, pp, args=(pp, schedule, tied)), pp)
+    # GPipe also changes the sequence length at every step.
+    kwargs = {"vary": schedule == "gpipe"}
+    _check_training(run_distributed(_train, pp, args=(pp, schedule, tied), kwargs=kwargs), pp)
 
 
 def test_gpt2_family_two_stages_two_replicas_zero_2():

@@ -37,6 +37,7 @@ from hf_zero.topology import Group, current_device, init_distributed
 from hf_zero.tp import TensorParallel, resolve_plan
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MAX_SCHEDULES = 16
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -118,15 +119,9 @@ class PipelineEngine:
             config.gradient_accumulation_steps if config.gradient_accumulation_steps > 1 else
             topo.pp_size
         )  # fmt: skip
-        pipes = [
-            PipelineStage(m, s, n_stages, self.device, group=topo.pp.pg)
-            for m, s in zip(self.stages, self.stage_ids)
-        ]
-        if virtual > 1:
-            self.schedule = ScheduleInterleaved1F1B(pipes, self.microbatches, loss_fn=lm_loss)
-        else:
-            cls = SCHEDULES[config.pp_schedule]
-            self.schedule = cls(pipes[0], self.microbatches, loss_fn=lm_loss)
+        self._schedules: dict[tuple, object] = {}
+        """Schedules by micro-batch shape: a stage sizes its receive buffers from the first
+        micro-batch it sees, so another shape (a new sequence length) gets its own."""
         self.tied = self.stages[0].tied
         self.stage_optimizer = StageOptimizer(
             self.stage_parameters(), optimizer, config.stage, topo.dp, topo.rank, self.comm,
@@ -183,7 +178,7 @@ class PipelineEngine:
         """One optimizer step on ``batch`` (this replica's samples: ``input_ids``, optional
         ``attention_mask`` and ``labels``); the replica's mean micro-batch loss, on every rank
         of the replica."""
-        loss = self._run(batch, self.schedule.step)
+        loss = self._run(batch, training=True)
         if self.tied and self.num_stages > 1:
             for stage in self.stages:
                 if stage.first or stage.last:
@@ -200,21 +195,42 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, torch.Tensor]) -> float:
         """The replica's mean micro-batch loss on ``batch``, without a step."""
-        return self._run(batch, self.schedule.eval)
+        return self._run(batch, training=False)
 
-    def _run(self, batch: dict[str, torch.Tensor], run) -> float:
-        ids = batch["input_ids"].to(self.device)
-        labels = batch.get("labels", ids).to(self.device)
+    def schedule_for(self, shape: tuple):
+        """The schedule for micro-batches of ``shape`` (built on first use; collective over
+        this rank's pipeline, which sees the same batches)."""
+        if shape not in self._schedules:
+            if len(self._schedules) >= MAX_SCHEDULES:  # the oldest shape goes
+                self._schedules.pop(next(iter(self._schedules)))
+            pipes = [
+                PipelineStage(m, s, self.num_stages, self.device, group=self.topology.pp.pg)
+                for m, s in zip(self.stages, self.stage_ids)
+            ]
+            if len(pipes) > 1:
+                schedule = ScheduleInterleaved1F1B(pipes, self.microbatches, loss_fn=lm_loss)
+            else:
+                cls = SCHEDULES[self.config.pp_schedule]
+                schedule = cls(pipes[0], self.microbatches, loss_fn=lm_loss)
+            self._schedules[shape] = schedule
+        return self._schedules[shape]
+
+    def _run(self, batch: dict[str, torch.Tensor], training: bool) -> float:
+        ids = batch["input_ids"].to(self.device).contiguous()
+        labels = batch.get("labels", ids).to(self.device).contiguous()
         mask = batch.get("attention_mask")
         if ids.shape[0] % self.microbatches:
             raise ValueError(
                 f"hf_zero pipeline: a batch of {ids.shape[0]} samples does not split into "
                 f"'pp_microbatches' = {self.microbatches}"
             )
+        shape = (ids.shape[0] // self.microbatches, *ids.shape[1:], mask is not None)
+        schedule = self.schedule_for(shape)
+        run = schedule.step if training else schedule.eval
         losses: list[torch.Tensor] = []
         target = labels if self.last else None
         if self.first:
-            kwargs = {} if mask is None else {"attention_mask": mask.to(self.device)}
+            kwargs = {} if mask is None else {"attention_mask": mask.to(self.device).contiguous()}
             run(ids, target=target, losses=losses, **kwargs)
         else:
             run(target=target, losses=losses)

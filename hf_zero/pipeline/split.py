@@ -182,7 +182,7 @@ class CausalLMStage(nn.Module):
         if self.last:
             return self.lm_head(self.norm(hidden))
         empty = torch.empty(0, device=hidden.device)
-        return hidden, (mask2d if mask2d is not None else empty)
+        return hidden, (mask2d.contiguous() if mask2d is not None else empty)
 
 
 def split_causal_lm(
