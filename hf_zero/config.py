@@ -150,9 +150,10 @@ class ZeroConfig:
     tp_size: int = 1
     """Tensor-parallel size (AutoTP); ZeRO runs over the ``world / tp_size`` data-parallel ranks."""
 
-    # --- pipeline parallelism (issue 19, first part: pp_size = world size, no ZeRO yet) -----
+    # --- pipeline parallelism ------------------------------------------------------------------
     pp_size: int = 1
-    """Pipeline stages; > 1 makes `initialize` return a `PipelineEngine` (``train_batch``)."""
+    """Pipeline stages; > 1 makes `initialize` return a `PipelineEngine` (``train_batch``). The
+    data-parallel size is ``world / (pp_size * tp_size)``."""
     pp_schedule: str = "1f1b"
     """``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (two virtual stages per rank)."""
     pp_microbatches: int | None = None
@@ -264,7 +265,12 @@ class ZeroConfig:
                 f"zero config: 'tp_size' = {self.tp_size} must divide the number of processes "
                 f"({world_size})"
             )
-        dp_size = world_size // self.tp_size
+        if world_size % (self.tp_size * self.pp_size):
+            raise ValueError(
+                f"zero config: 'pp_size' = {self.pp_size} x 'tp_size' = {self.tp_size} must "
+                f"divide the number of processes ({world_size})"
+            )
+        dp_size = world_size // (self.tp_size * self.pp_size)
         hpz = self.hpz_partition_size
         if hpz != AUTO and dp_size % hpz:
             raise ValueError(

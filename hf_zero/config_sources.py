@@ -23,6 +23,8 @@ CLI_FLAGS = {
     "zero_quantized_gradients": "quantized_gradients",
     "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
     "tp_size": "tp_size",
+    "pp_size": "pp_size",
+    "pp_schedule": "pp_schedule",
 }
 """Command-line flag (without ``--``) -> ZeroConfig field: the Trainer arguments and
 ``hf_zero.run`` share it; ``--zero_config FILE`` comes on top."""

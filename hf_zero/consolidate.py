@@ -104,8 +104,15 @@ def consolidate(
     (with the config and tokenizer files copied from a Trainer checkpoint)."""
     from hf_zero.pipeline.checkpoint import consolidate_pipeline, is_pipeline_checkpoint
 
-    if is_pipeline_checkpoint(checkpoint):
-        return consolidate_pipeline(checkpoint, output, dtype)
+    given = Path(checkpoint)
+    for pipeline_dir in (given, given / TRAINER_ZERO_DIR):  # an engine's or a Trainer's
+        if is_pipeline_checkpoint(pipeline_dir):
+            if adapter_only:
+                raise ValueError("hf_zero consolidate: --adapter-only: pipeline checkpoints "
+                                 "hold full models (pipeline stages train every parameter)")  # fmt: skip
+            files = consolidate_pipeline(pipeline_dir, output, dtype)
+            saved_dir = given if pipeline_dir != given else None
+            return files + _copy_configs(saved_dir, Path(output), False)
     checkpoint, saved_dir = resolve_checkpoint(checkpoint)
     output = Path(output)
     reader = ShardReader(checkpoint, read_meta(checkpoint))

@@ -6,7 +6,7 @@
 
 hf_zero's flags (``--zero_stage``, ``--zero_config``, ``--offload_optimizer``,
 ``--zero_quantized_weights``, ``--zero_hpz_partition_size``, ``--zero_quantized_gradients``,
-``--zero_quantized_nontrainable_weights``, ``--tp_size``) are taken out of the argument list, so
+``--zero_quantized_nontrainable_weights``, ``--tp_size``, ``--pp_size``, ``--pp_schedule``) are taken out of the argument list, so
 the script's own parser never sees them; they are validated before the script starts, and a
 mistake is one line on rank 0 (exit status 2). Then the script runs as ``__main__`` with these
 changes, and only these:
@@ -63,6 +63,8 @@ PARSERS = {
     "quantized_gradients": _bool,
     "quantized_nontrainable_weights": _bool,
     "tp_size": int,
+    "pp_size": int,
+    "pp_schedule": str,
 }
 """How each field's command-line text is read."""
 FLAGS: dict[str, tuple[str, Any]] = {

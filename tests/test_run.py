@@ -117,6 +117,30 @@ def test_losses_under_hf_zero_run_equal_plain_ddp_without_use_cpu(tmp_path):
     _check_one_data_parallel_group(zero, done.stdout)
 
 
+@pytest.mark.slow
+def test_pipeline_stages_under_hf_zero_run_equal_plain_ddp(tmp_path):
+    """``--pp_size 2`` on 4 processes (2 stages x 2 replicas, ZeRO-1 over the replicas), with
+    ``--gradient_accumulation_steps 2`` micro-batches per step: each step's loss equals torch
+    DDP's on 2 processes with the same accumulation (the replicas see DDP's data shards); mid
+    training rank 0 holds only its stage; after train() every rank runs the whole model, and
+    the saved model reloads to its logits."""
+    ddp, pp = tmp_path / "ddp", tmp_path / "pp"
+    args = [*TRAIN_ARGS, "--gradient_accumulation_steps", "2"]
+    _launch([SCRIPT, "--output_dir", str(ddp), *args, "--use_cpu", "true"])
+    flags = ["--pp_size", "2", "--zero_stage", "1"]
+    _launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp), *args,
+             *flags])  # fmt: skip
+    reference, ours = _losses(_reports(ddp)[0]), _losses(_report(pp))
+    assert len(reference) == len(ours) == 6
+    assert max(abs(a - b) for a, b in zip(reference, ours)) < 1e-5, (reference, ours)
+    r = _report(pp)
+    assert r["world_size"] == 4 and r["sizes"]["model.layers.1.mlp.up_proj.weight"] == 0
+    assert r["sizes"][SHARDED] > 0  # layer 0 is stage 0's
+    assert r["reloaded_diff"] < 1e-5, r["reloaded_diff"]
+    logits = torch.tensor(_reports(ddp)[0]["logits"])
+    assert (torch.tensor(r["logits"]) - logits).abs().max() < 1e-4
+
+
 def test_torchrun_with_the_hf_zero_command_is_one_group_too(tmp_path):
     """`torchrun --no-python hf-zero run script.py ...`: the same drop-in, another launcher."""
     from hf_zero.testing import free_port

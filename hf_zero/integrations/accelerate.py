@@ -101,6 +101,25 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         return self.engine.last_step_skipped
 
 
+class PipelineAcceleratedOptimizer(AcceleratedOptimizer):
+    """With ``pp_size`` > 1, ``engine.train_batch`` steps the optimizer; the loop's ``step`` and
+    ``zero_grad`` have nothing left to do (its scheduler still steps the learning rate)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+
+    def step(self, closure=None):
+        pass
+
+    def zero_grad(self, set_to_none=None):
+        pass
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return False
+
+
 class ZeroAccelerator(Accelerator):
     """An `accelerate.Accelerator` whose model and optimizer run on hf_zero's ZeRO engine.
 
@@ -146,7 +165,10 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("hf_zero: ZeroAccelerator prepares one model and one optimizer")
         if models and optimizers:
             self.engine = self._make_engine(models[0], optimizers[0])
-            wrapped = ZeroAcceleratedOptimizer(self.engine)
+            pipeline = getattr(self.engine, "is_pipeline", False)
+            wrapped = (PipelineAcceleratedOptimizer if pipeline else ZeroAcceleratedOptimizer)(
+                self.engine
+            )
             args = tuple(wrapped if a is optimizers[0] else a for a in args)
         elif optimizers and self.engine is None:
             raise ValueError(
@@ -157,14 +179,16 @@ class ZeroAccelerator(Accelerator):
         return result
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """As Accelerate's, but sharded over the data-parallel ranks only: with AutoTP the
-        ranks of one tensor-parallel group must see the same batch."""
-        tp = self.zero_plugin.config.tp_size
-        if tp == 1:
+        """As Accelerate's, but sharded over the data-parallel ranks only: the ranks of one
+        tensor-parallel group, and the stages of one pipeline, must see the same batch."""
+        tp, pp = self.zero_plugin.config.tp_size, self.zero_plugin.config.pp_size
+        if tp * pp == 1:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         # Accelerate passes its own process count and index; swap them for this one call.
         original = accelerator_module.prepare_data_loader
-        dp_size, dp_rank = self.num_processes // tp, self.process_index // tp
+        # rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+        dp_size = self.num_processes // (tp * pp)
+        dp_rank = self.process_index // tp % dp_size
 
         def per_dp_rank(*args, **kwargs):
             return original(*args, **{**kwargs, "num_processes": dp_size, "process_index": dp_rank})
@@ -183,8 +207,10 @@ class ZeroAccelerator(Accelerator):
         gas = config.gradient_accumulation_steps
         gas = gas if plugin.trainer_managed else self.gradient_accumulation_steps
         if isinstance(gas, int):
-            dp_size = self.num_processes // config.tp_size
+            dp_size = self.num_processes // (config.tp_size * config.pp_size)
             config.replace(gradient_accumulation_steps=gas).check_batch_sizes(dp_size)
+        if config.pp_size > 1:
+            return self._make_pipeline_engine(model, optimizer, gas)
         # Outside the Trainer the config's clipping applies at each step, unless the loop calls
         # clip_grad_norm_ itself in that window (its call then applies; the norm is taken once).
         # The Trainer clips with its own max_grad_norm (the same value) and keeps that as it was.
@@ -203,6 +229,26 @@ class ZeroAccelerator(Accelerator):
         # The Trainer calls model.zero_grad() after each step; route it to the engine so that
         # stages 0-1 keep their flat gradient buffers instead of reallocating them.
         model.zero_grad = lambda set_to_none=True: engine.zero_grad()
+        return engine
+
+    def _make_pipeline_engine(self, model: torch.nn.Module, optimizer, gas):
+        """Pipeline stages: the window's micro-batches are one ``train_batch``, which clips
+        (with the Trainer's max_grad_norm, the config's ``gradient_clipping``) and steps."""
+        config = self.zero_plugin.config
+        clip = config.gradient_clipping
+        clip = clip if isinstance(clip, (int, float)) else 0.0
+        micro = config.pp_microbatches or (gas if isinstance(gas, int) else None)
+        engine = initialize(
+            model,
+            optimizer,
+            config.replace(
+                gradient_clipping=float(clip),
+                pp_microbatches=micro,
+                train_batch_size=None,
+                scheduler=None,
+            ),
+        )
+        model._hf_zero_engine = engine
         return engine
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
@@ -249,6 +295,12 @@ class ZeroAccelerator(Accelerator):
     def backward(self, loss, **kwargs):
         if self.engine is None:
             return super().backward(loss, **kwargs)
+        if getattr(self.engine, "is_pipeline", False):
+            raise RuntimeError(
+                "hf_zero: with pp_size > 1 the model runs in stages on several processes; call "
+                "accelerator.engine.train_batch(batch) for each optimizer step instead of "
+                "forward / backward / step (the Trainer does this by itself)"
+            )
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -268,6 +320,8 @@ class ZeroAccelerator(Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if norm_type != 2:
             raise ValueError(f"hf_zero: clip_grad_norm_ supports norm_type 2, got {norm_type}")
+        if getattr(self.engine, "is_pipeline", False):  # train_batch clipped; its norm
+            return torch.tensor(self.engine.last_grad_norm or 0.0)
         return torch.tensor(self.engine.clip_grad_norm_(float(max_norm)))
 
     def get_state_dict(self, model, unwrap=True):

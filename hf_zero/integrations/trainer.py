@@ -75,6 +75,13 @@ class ZeroTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "MixZ++: frozen weights kept as INT8 shards (stage 3)"}
     )
     tp_size: int | None = field(default=None, metadata={"help": "tensor-parallel size (AutoTP)"})
+    pp_size: int | None = field(
+        default=None,
+        metadata={"help": "pipeline stages (--gradient_accumulation_steps micro-batches a step)"},
+    )
+    pp_schedule: str | None = field(
+        default=None, metadata={"help": "pipeline schedule: gpipe, 1f1b or interleaved_1f1b"}
+    )
 
     def __post_init__(self) -> None:
         # Checked first: bad settings fail before TrainingArguments touches any device.
@@ -83,6 +90,8 @@ class ZeroTrainingArguments(TrainingArguments):
             self.zero.check_world(int(os.environ["WORLD_SIZE"]))
         if not torch.cuda.is_available():
             self.use_cpu = True
+        if self.zero.pp_size > 1:  # every micro-batch of a pipeline step the same size
+            self.dataloader_drop_last = True
         super().__post_init__()
 
     def zero_setting_given(self, key: str) -> bool:
@@ -172,6 +181,7 @@ class ZeroTrainerMixin:
         if training_args is not None:
             ensure_cpu_args(training_args)  # no GPU: the launched processes are one CPU group
         self._zero_config = zero_config
+        self._pp_window: list[dict] = []  # pipeline: the micro-batches of the current step
         self._comm_bytes_logged = (0, 0)  # wire, paper
         self._steps_logged = 0
         super().__init__(*args, **kwargs)
@@ -188,6 +198,10 @@ class ZeroTrainerMixin:
             from hf_zero.run import active_sources
 
             config = zero_config_for(self.args, *active_sources())
+        if config.pp_size > 1:
+            self.args.dataloader_drop_last = True  # every micro-batch of a step the same size
+            # train_batch clips (the Trainer's own clipping call only reads the norm back).
+            config = config.replace(gradient_clipping=float(self.args.max_grad_norm or 0.0))
         plugin = ZeroPlugin(config)
         plugin.trainer_managed = True  # the Trainer accumulates and clips itself
         self._zero_sections = plugin.config  # its DeepSpeed optimizer/scheduler sections
@@ -274,6 +288,34 @@ class ZeroTrainerMixin:
         )
         return self.lr_scheduler
 
+    # --- pipeline stages (pp_size > 1): one train_batch per optimizer step ------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Pipeline stages need the whole window at once: each micro-batch is kept until the
+        last one of the step, then the window runs as one ``train_batch`` (schedule, clipping,
+        optimizer step). Returns the mean micro-batch loss on the step's last micro-batch and 0
+        before it, so the Trainer's running sum is the step's loss."""
+        if not getattr(self.engine, "is_pipeline", False):
+            return super().training_step(model, inputs, num_items_in_batch)
+        from hf_zero.pipeline.batching import join_microbatches
+
+        self._pp_window.append(inputs)
+        if not self.accelerator.sync_gradients:
+            return torch.zeros((), device=self.args.device)
+        batch = join_microbatches(self._pp_window)
+        loss = self.engine.train_batch(batch, microbatches=len(self._pp_window))
+        self._pp_window = []
+        return torch.tensor(loss, device=self.args.device)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Pipeline stages: the evaluation loss only (each batch as one micro-batch); the
+        logits stay on the last stage."""
+        if not getattr(self.engine, "is_pipeline", False):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        from hf_zero.pipeline.batching import join_microbatches
+
+        loss = self.engine.eval_batch(join_microbatches([inputs]), microbatches=1)
+        return torch.tensor(loss, device=self.args.device), None, None
+
     # --- saving ------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir or self.args.output_dir
@@ -336,9 +378,14 @@ class ZeroTrainerMixin:
         original = trainer_module.get_model_param_count
         trainer_module.get_model_param_count = _whole_param_count
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
         finally:
             trainer_module.get_model_param_count = original
+        if getattr(self.engine, "is_pipeline", False):
+            # Each rank held only its stages: refill the model so that model(...) runs on every
+            # rank after train(), as it does without pipeline stages.
+            self.engine.gather_whole_model()
+        return result
 
     def floating_point_ops(self, inputs) -> int:
         main_input = getattr(self.model, "main_input_name", "input_ids")

@@ -15,6 +15,7 @@ Each rank builds the whole model, keeps its stages' parameters and empties the o
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -73,6 +74,9 @@ class PipelineEngine:
     """Pipeline stages (x data x tensor parallelism); built by `hf_zero.initialize` when
     ``pp_size`` > 1."""
 
+    is_pipeline = True
+    """The integrations drive it by `train_batch` instead of forward / backward / step."""
+
     def __init__(self, model, optimizer, config: ZeroConfig, lr_scheduler=None) -> None:
         init_distributed()
         dp_size = max(1, dist.get_world_size() // (config.pp_size * config.tp_size))
@@ -129,6 +133,7 @@ class PipelineEngine:
         )  # fmt: skip
         self.global_steps = 0
         self.last_grad_norm: float | None = None
+        self.grad_norm_post_clip: float | None = None
 
     def _apply_tp(self) -> TensorParallel:
         plan = resolve_plan(self.module, self.config.tp_plan)
@@ -146,9 +151,29 @@ class PipelineEngine:
     def _release_other_stages(self) -> None:
         """Empty the parameters no stage of this rank runs (the optimizer skips them)."""
         mine = {id(p) for s in self.stages for p in s.parameters()}
+        self._released = {}  # id -> (parameter, its shape): what gather_whole_model refills
         for p in self.module.parameters():
             if id(p) not in mine:
+                self._released[id(p)] = (p, p.shape)
                 p.data = torch.empty(0, dtype=p.dtype)
+
+    @torch.no_grad()
+    def gather_whole_model(self) -> None:
+        """Give this rank's module every stage's current weights again (collective over each
+        pipeline), so that ``model(...)`` runs on every rank after training, as it did
+        before; the memory of the whole model comes back with it. Training may continue."""
+        topo = self.topology
+        model_params = {id(p) for p in self.module.parameters()}
+        for s in range(self.num_stages):
+            owner = topo.rank_of(s % topo.pp_size, topo.dp_rank, topo.tp_rank)
+            stage = split_causal_lm(self.module, self.num_stages, s, self.config.pp_partition)
+            for p in stage.parameters():
+                if id(p) not in model_params:
+                    continue  # a tied head's copy: the embedding (stage 0) is the weight
+                if id(p) in self._released:
+                    shape = self._released.pop(id(p))[1]
+                    p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+                dist.broadcast(p.data, owner, group=topo.pp.pg)
 
     def _adopt_tied_copy(self) -> torch.nn.Parameter | None:
         """The last stage's copy of a tied weight steps with the embedding's param group."""
@@ -174,32 +199,36 @@ class PipelineEngine:
         return list(dict.fromkeys(p for s in self.stages for p in s.parameters()))
 
     # --- training --------------------------------------------------------------------------
-    def train_batch(self, batch: dict[str, torch.Tensor]) -> float:
+    def train_batch(self, batch: dict[str, torch.Tensor], microbatches: int | None = None) -> float:
         """One optimizer step on ``batch`` (this replica's samples: ``input_ids``, optional
-        ``attention_mask`` and ``labels``); the replica's mean micro-batch loss, on every rank
-        of the replica."""
-        loss = self._run(batch, training=True)
+        ``attention_mask`` and ``labels``), cut into ``microbatches`` (default
+        ``pp_microbatches``); the replica's mean micro-batch loss, on every rank of the
+        replica."""
+        loss = self._run(batch, microbatches or self.microbatches, training=True)
         if self.tied and self.num_stages > 1:
             for stage in self.stages:
                 if stage.first or stage.last:
                     sync_tied_grads(stage, self.topology.tied.pg)
         self.stage_optimizer.reduce()
-        if self.config.gradient_clipping > 0:
-            self.clip_grad_norm_(self.config.gradient_clipping)
+        self.clip_grad_norm_(self.config.gradient_clipping or float("inf"))
         self.stage_optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
         return loss
 
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Nothing is reduced between `train_batch` calls: a loop's no-sync window is free."""
+        return contextlib.nullcontext()
+
     @torch.no_grad()
-    def eval_batch(self, batch: dict[str, torch.Tensor]) -> float:
+    def eval_batch(self, batch: dict[str, torch.Tensor], microbatches: int | None = None) -> float:
         """The replica's mean micro-batch loss on ``batch``, without a step."""
-        return self._run(batch, training=False)
+        return self._run(batch, microbatches or self.microbatches, training=False)
 
     def schedule_for(self, shape: tuple):
-        """The schedule for micro-batches of ``shape`` (built on first use; collective over
-        this rank's pipeline, which sees the same batches)."""
+        """The schedule for ``shape`` = (micro-batches, micro-batch shape...) (built on first
+        use; collective over this rank's pipeline, which sees the same batches)."""
         if shape not in self._schedules:
             if len(self._schedules) >= MAX_SCHEDULES:  # the oldest shape goes
                 self._schedules.pop(next(iter(self._schedules)))
@@ -207,24 +236,24 @@ class PipelineEngine:
                 PipelineStage(m, s, self.num_stages, self.device, group=self.topology.pp.pg)
                 for m, s in zip(self.stages, self.stage_ids)
             ]
+            count = shape[0]
             if len(pipes) > 1:
-                schedule = ScheduleInterleaved1F1B(pipes, self.microbatches, loss_fn=lm_loss)
+                schedule = ScheduleInterleaved1F1B(pipes, count, loss_fn=lm_loss)
             else:
-                cls = SCHEDULES[self.config.pp_schedule]
-                schedule = cls(pipes[0], self.microbatches, loss_fn=lm_loss)
+                schedule = SCHEDULES[self.config.pp_schedule](pipes[0], count, loss_fn=lm_loss)
             self._schedules[shape] = schedule
         return self._schedules[shape]
 
-    def _run(self, batch: dict[str, torch.Tensor], training: bool) -> float:
+    def _run(self, batch: dict[str, torch.Tensor], microbatches: int, training: bool) -> float:
         ids = batch["input_ids"].to(self.device).contiguous()
         labels = batch.get("labels", ids).to(self.device).contiguous()
         mask = batch.get("attention_mask")
-        if ids.shape[0] % self.microbatches:
+        if ids.shape[0] % microbatches:
             raise ValueError(
                 f"hf_zero pipeline: a batch of {ids.shape[0]} samples does not split into "
-                f"'pp_microbatches' = {self.microbatches}"
+                f"{microbatches} micro-batches ('pp_microbatches')"
             )
-        shape = (ids.shape[0] // self.microbatches, *ids.shape[1:], mask is not None)
+        shape = (microbatches, ids.shape[0] // microbatches, *ids.shape[1:], mask is not None)
         schedule = self.schedule_for(shape)
         run = schedule.step if training else schedule.eval
         losses: list[torch.Tensor] = []
@@ -252,7 +281,25 @@ class PipelineEngine:
         if coef < 1.0:
             self.stage_optimizer.scale_grads(coef)
         self.last_grad_norm = norm
+        self.grad_norm_post_clip = norm * min(coef, 1.0)
         return norm
+
+    # --- reports ---------------------------------------------------------------------------
+    @property
+    def comm_stats(self):
+        """Bytes moved by hf_zero's collectives on this rank (the stages' point-to-point
+        activations are `torch.distributed.pipelining`'s and not counted)."""
+        return self.comm.stats
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: its stages' parameters and gradients, optimizer state."""
+        params = self.stage_parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(g.numel() * g.element_size() for g in grads),
+            "optimizer": self.stage_optimizer.state_bytes(),
+        }
 
     # --- weights and checkpoints -----------------------------------------------------------
     def stage_state_dict(self) -> dict[str, torch.Tensor]:

@@ -45,6 +45,16 @@ class PipelineTopology:
     def tp_rank(self) -> int:
         return self.tp.rank_of(self.rank)
 
+    def destroy(self) -> None:
+        """Shut down the groups this rank belongs to (before the default group goes)."""
+        seen = []
+        for group in (self.pp, self.dp, self.tp, self.tied):
+            pg = group.pg if group is not None else None
+            if pg is not None and pg is not dist.group.WORLD and all(pg is not s for s in seen):
+                seen.append(pg)
+        for pg in seen:
+            dist.destroy_process_group(pg)
+
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
 
