@@ -123,6 +123,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.pp > 1:
+        return _estimate_pipeline(args, shape)
     frozen = 0
     if args.trainable_params is not None:
         frozen = shape.params - int(float(args.trainable_params))
@@ -170,6 +172,62 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         "working set: stage 3's gathered layers."
     )
     print(WHY_NOT_PAPER)
+    return 0
+
+
+def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
+    """``--pp N``: the largest stage's model states (ZeRO 0-2 over ``--dp`` replicas), its
+    activations per schedule (micro-batches in flight) and each schedule's bubble."""
+    import dataclasses
+
+    from hf_zero.memory import activation_bytes, estimate
+    from hf_zero.pipeline.schedule_math import (
+        VIRTUAL_STAGES,
+        bubble_fraction,
+        in_flight,
+        largest_stage_params,
+    )
+
+    if not shape.layers or not shape.largest_unit_params:
+        print(
+            "error: --pp needs the model's layers: give --model or --model-config", file=sys.stderr
+        )
+        return 2
+    pp, layer = args.pp, shape.largest_unit_params
+    m = args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp
+    embed = shape.embedding_params or max(0, (shape.params - shape.layers * layer) // 2)
+    stage_params = largest_stage_params(layer, shape.layers, embed, pp)
+    fraction = stage_params / shape.params
+    stage = dataclasses.replace(
+        shape, params=stage_params, tp_split_params=int(shape.tp_split_params * fraction),
+        layers=-(-shape.layers // pp),
+    )  # fmt: skip
+    gib = 2**30
+    print(
+        f"{shape.params:,} parameters in {pp} pipeline stages (largest {stage_params:,}, "
+        f"{stage.layers} layers) x {args.dp} data-parallel x {args.tp} tensor-parallel ranks, "
+        f"{args.precision}, Adam, {m} micro-batches of {args.micro_batch} x {args.seq_len}"
+    )
+    print(f"{'stage':>5} {'device GiB (largest pipeline stage)':>36}")
+    for zero in (0, 1, 2):
+        states = estimate(stage, args.dp, zero, args.precision, tp_size=args.tp,
+                          gradient_accumulation_steps=m)  # fmt: skip
+        print(f"{zero:>5} {states['total'] / gib:>36.2f}")
+    per_mb = activation_bytes(stage, args.seq_len, args.micro_batch, args.precision, False, args.tp)
+    print(f"{'schedule':>17} {'in flight':>9} {'activations GiB':>16} {'bubble':>7}")
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        held = in_flight(schedule, pp, m)
+        chunk = per_mb / (VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1)
+        print(
+            f"{schedule:>17} {held:>9} {held * chunk / gib:>16.2f} "
+            f"{bubble_fraction(schedule, pp, m):>7.1%}"
+        )
+    print(
+        "First stage (the most micro-batches in flight), no activation checkpointing; the "
+        "head counted as large as the embedding (its own weight or a tied copy); ZeRO-3 and "
+        "offload do not combine with pipeline stages. Bubble: (p-1)/(m+p-1), interleaved "
+        "(p-1)/(2m+p-1)."
+    )
     return 0
 
 
@@ -255,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help=f"a known shape: {', '.join(MODEL_PRESETS)}")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (AutoTP)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (ZeRO 0-2 inside each)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ partition size")
     p.add_argument("--trainable-params", help="LoRA: trainable count; the rest is frozen")
@@ -265,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gradient-accumulation-steps",
         type=int,
         default=1,
-        help="micro-batches per step (> 1: stages 2-3 keep an fp32 gradient shard in the window)",
+        help="micro-batches per step (> 1: stages 2-3 keep an fp32 gradient shard in the "
+        "window; with --pp, the pipeline's micro-batches, default --pp)",
     )
     p.set_defaults(func=_cmd_estimate)
     p = sub.add_parser("run", help="run an unmodified Trainer script with hf_zero")

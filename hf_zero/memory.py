@@ -182,6 +182,8 @@ class ModelShape:
     hidden: int = 0
     layers: int = 0
     heads: int = 0
+    embedding_params: int = 0
+    """The input embedding (a pipeline's first stage holds it, the last its head's size)."""
 
 
 def shape_of(model) -> ModelShape:
@@ -213,6 +215,9 @@ def shape_of(model) -> ModelShape:
         hidden=getattr(config, "hidden_size", 0) or 0,
         layers=getattr(config, "num_hidden_layers", 0) or 0,
         heads=getattr(config, "num_attention_heads", 0) or 0,
+        embedding_params=model.get_input_embeddings().weight.numel()
+        if hasattr(model, "get_input_embeddings")
+        else 0,
     )
 
 

@@ -112,3 +112,18 @@ def test_config_names_the_line_of_a_syntax_error(tmp_path, capsys):
     assert main(["config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "broken.yaml:4:" in err and "not valid YAML" in err and "Traceback" not in err
+
+
+def test_estimate_pipeline_stages(capsys):
+    """--pp: the largest stage's states per ZeRO stage, activations in flight per schedule (1F1B
+    holds p micro-batches, GPipe m) and the bubble (p-1)/(m+p-1), interleaved (p-1)/(2m+p-1)."""
+    assert main(["estimate", "--model", "llama-2-7b", "--pp", "4", "--dp", "2",
+                 "--gradient-accumulation-steps", "8"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert rows["gpipe"][0] == "8" and rows["1f1b"][0] == "4"
+    assert float(rows["gpipe"][1]) == 2 * float(rows["1f1b"][1])
+    assert rows["1f1b"][2] == f"{3 / 11:.1%}" and rows["interleaved_1f1b"][2] == f"{3 / 19:.1%}"
+    assert float(rows["1"][0]) < float(rows["0"][0])  # ZeRO-1 shards the stage's Adam state
+    assert main(["estimate", "--params", "7e9", "--pp", "2"]) == 2
+    assert "--pp needs the model's layers" in capsys.readouterr().err

@@ -226,6 +226,7 @@ def _train(
         "names": sorted(full) == sorted(ref) if full else None,
         "topology": (engine.topology.pp_rank, engine.topology.dp_rank, engine.topology.tp_rank),
         "state_bytes": engine.stage_optimizer.state_bytes(),
+        "params_bytes": engine.memory_report()["params"],
         "stage_numel": sum(p.numel() for p in engine.stage_parameters() if p.requires_grad),
     }
 
@@ -271,7 +272,17 @@ def _check_training(
 def test_train_batch_equals_single_process_training(pp, schedule, tied):
     # GPipe also changes the sequence length at every step.
     kwargs = {"vary": schedule == "gpipe"}
-    _check_training(run_distributed(_train, pp, args=(pp, schedule, tied), kwargs=kwargs), pp)
+    results = run_distributed(_train, pp, args=(pp, schedule, tied), kwargs=kwargs)
+    _check_training(results, pp)
+    if schedule == "1f1b":  # `hf-zero estimate --pp`'s largest stage vs what a rank holds
+        from hf_zero.pipeline.schedule_math import largest_stage_params
+
+        model = build_model(0, num_hidden_layers=4)
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        embed = model.get_input_embeddings().weight.numel()
+        held = max(r["params_bytes"] for r in results)
+        predicted = 4 * largest_stage_params(layer, 4, embed, pp)
+        assert predicted <= held <= predicted + 4 * MODEL["hidden_size"], (held, predicted)
 
 
 def test_gpt2_family_two_stages_two_replicas_zero_2():
