@@ -181,12 +181,7 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
     import dataclasses
 
     from hf_zero.memory import activation_bytes, estimate
-    from hf_zero.pipeline.schedule_math import (
-        VIRTUAL_STAGES,
-        bubble_fraction,
-        in_flight,
-        largest_stage_params,
-    )
+    from hf_zero.pipeline.schedule_math import bubble_fraction, in_flight, largest_stage_params
 
     if not shape.layers or not shape.largest_unit_params:
         print(
@@ -217,9 +212,8 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
     print(f"{'schedule':>17} {'in flight':>9} {'activations GiB':>16} {'bubble':>7}")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         held = in_flight(schedule, pp, m)
-        chunk = per_mb / (VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1)
         print(
-            f"{schedule:>17} {held:>9} {held * chunk / gib:>16.2f} "
+            f"{schedule:>17} {held:>9g} {held * per_mb / gib:>16.2f} "
             f"{bubble_fraction(schedule, pp, m):>7.1%}"
         )
     print(

@@ -1,11 +1,14 @@
-"""Pipeline parallelism (issue 19, first part): cutting a Hugging Face causal LM into stages.
+"""Pipeline parallelism: a Hugging Face causal LM cut into stages, with data and tensor
+parallelism beside them (3D) and ZeRO-1/2 inside each stage.
 
-`split.py` cuts a decoder-layer model into contiguous stages (balanced by parameter count,
-uniform, or an explicit list) and builds the stage module a rank runs; the schedules (GPipe,
-1F1B, interleaved 1F1B) come from `torch.distributed.pipelining`, measured exact on gloo/CPU
-(tests/test_pipeline.py); `engine.py` is the ``train_batch`` engine `initialize` returns for
-``pp_size`` > 1. Not there yet: data/tensor parallelism beside the stages, ZeRO inside them,
-Trainer flags, checkpoints per stage (docs/STATUS.md).
+`topology.py` lays ranks out pipeline-outermost; `split.py` cuts a Llama- or GPT-2-layout model
+into contiguous stages (balanced by parameter count, uniform, or an explicit list);
+`stage_optimizer.py` averages a stage's gradients over its replicas and steps (sharded under
+ZeRO-1/2); `engine.py` is the ``train_batch`` engine `initialize` returns for ``pp_size`` > 1,
+running `torch.distributed.pipelining`'s schedules (GPipe, 1F1B, interleaved 1F1B, measured
+exact on gloo/CPU); `checkpoint.py` writes per-stage checkpoints keyed by model names, so they
+reshard; `batching.py` joins a Trainer window's micro-batches; `schedule_math.py` holds the
+closed forms the estimator and the benchmark use.
 """
 
 from hf_zero.pipeline.split import CausalLMStage, partition_layers, split_causal_lm

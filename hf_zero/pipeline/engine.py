@@ -240,7 +240,10 @@ class PipelineEngine:
             if len(pipes) > 1:
                 schedule = ScheduleInterleaved1F1B(pipes, count, loss_fn=lm_loss)
             else:
-                schedule = SCHEDULES[self.config.pp_schedule](pipes[0], count, loss_fn=lm_loss)
+                # 1F1B needs at least one micro-batch per stage; a shorter window (the end of
+                # an epoch under the Trainer) runs GPipe, which computes the same step.
+                name = self.config.pp_schedule if count >= self.topology.pp_size else "gpipe"
+                schedule = SCHEDULES[name](pipes[0], count, loss_fn=lm_loss)
             self._schedules[shape] = schedule
         return self._schedules[shape]
 

@@ -6,8 +6,11 @@ With ``p`` stages, ``m`` micro-batches and equal forward/backward times per stag
 idles ``p - 1`` slots of a step of ``m + p - 1`` (GPipe and 1F1B alike); interleaving ``v``
 virtual stages per rank cuts each slot ``v`` times: ``(p - 1) / (v m + p - 1)``. GPipe keeps all
 ``m`` micro-batches' activations until its backward starts; 1F1B at most ``p - s`` on stage
-``s`` (``p`` on the first); interleaved 1F1B about ``(1 + (p - 1) / (v p))`` times 1F1B's
-(Narayanan et al. 2021), counted here in micro-batches of a virtual stage.
+``s`` (``p`` on the first); interleaved 1F1B starts ``(v - 1) p + 2 (p - 1 - s)`` chunk
+forwards (each ``1/v`` of the rank's layers) before its first backward, as
+`torch.distributed.pipelining` runs it: on the first stage ``1 + (p - 2) / (v p)`` times 1F1B's.
+Micro-batches are counted through a rank's whole share of the layers (an interleaved rank's
+``v`` chunks together).
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int) -> float:
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-def in_flight(schedule: str, pp: int, microbatches: int, stage: int = 0) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once, at most."""
-    if schedule == "gpipe":
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at once, at most."""
+    if schedule == "gpipe" or (schedule == "1f1b" and microbatches < pp):  # the engine: GPipe
         return microbatches
     if schedule == "1f1b":
         return min(microbatches, pp - stage)
-    # Interleaved: a rank's chunks are 1/v of its layers each; in chunk-sized micro-batches.
+    # Interleaved: torch's Interleaved1F1B warm-up, in rounds of micro-batches.
     v = VIRTUAL_STAGES
-    return min(v * microbatches, v * pp + pp - 1 - 2 * stage)
+    per_round = microbatches // max(1, microbatches // pp)
+    warmup = (v - 1) * per_round + 2 * (pp - 1 - stage)
+    return min(warmup, v * microbatches) / v
 
 
 def largest_stage_params(layer_params: int, layers: int, embed_params: int, pp: int) -> int:
