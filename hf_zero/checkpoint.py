@@ -75,19 +75,26 @@ def save_checkpoint(
     )
     _barrier(engine)  # every shard is on disk; a rank that died never gets past here
     if rank == 0:
-        _write_text(tmp / META, json.dumps(_meta(engine), indent=1))
-        _write_text(tmp / MARKER, time.strftime("%Y-%m-%dT%H:%M:%S"))
-        _fsync_dir(tmp)
-        old = directory.with_name(directory.name + ".old")
-        if directory.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-        tmp.rename(directory)
-        _fsync_dir(directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        if keep_last:
-            _rotate(directory, keep_last)
+        publish(tmp, directory, META, _meta(engine), keep_last)
     _barrier(engine)
+
+
+def publish(tmp: Path, directory: Path, meta_name: str, meta: dict, keep_last: int | None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: write the metadata and the marker, then
+    put ``tmp`` in ``directory``'s place (the previous checkpoint stays whole until the rename)
+    and prune older siblings to ``keep_last``."""
+    _write_text(tmp / meta_name, json.dumps(meta, indent=1))
+    _write_text(tmp / MARKER, time.strftime("%Y-%m-%dT%H:%M:%S"))
+    _fsync_dir(tmp)
+    old = directory.with_name(directory.name + ".old")
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        directory.rename(old)
+    tmp.rename(directory)
+    _fsync_dir(directory.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    if keep_last:
+        _rotate(directory, keep_last, meta_name)
 
 
 def _barrier(engine: ZeroEngine) -> None:
@@ -179,11 +186,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _rotate(directory: Path, keep_last: int) -> None:
+def _rotate(directory: Path, keep_last: int, meta_name: str = META) -> None:
     siblings = [
         d
         for d in directory.parent.iterdir()
-        if d.is_dir() and is_complete(d) and (d / META).is_file()
+        if d.is_dir() and is_complete(d) and (d / meta_name).is_file()
     ]
     siblings.sort(key=lambda d: (d / MARKER).stat().st_mtime)
     for old in siblings[:-keep_last]:

@@ -21,8 +21,8 @@ from hf_zero.comm import Collectives, CommStats
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
-from hf_zero.optim import ShardedOptimizer, build_optimizer, check_elementwise
-from hf_zero.optim.deepspeed_schedules import scheduler_from_config
+from hf_zero.optim import ShardedOptimizer
+from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
@@ -83,18 +83,7 @@ class ZeroEngine:
         self.config = config
         self.module = model
         # Everything that can be refused is checked before any process-group work.
-        if optimizer is None:
-            if config.optimizer is None:
-                raise ValueError(
-                    "hf_zero: pass an optimizer, or give the config an 'optimizer' section "
-                    'such as {"type": "AdamW", "params": {"lr": 1e-4}}'
-                )
-            optimizer = build_optimizer(
-                [p for p in model.parameters() if p.requires_grad], config.optimizer
-            )
-        check_elementwise(optimizer, config.allow_untested_optimizer)
-        if lr_scheduler is None and config.scheduler is not None:
-            lr_scheduler = scheduler_from_config(optimizer, config)
+        optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
 
         hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
         self.topology = Topology.build(config.tp_size, config.node_size, hpz)

@@ -140,3 +140,38 @@ def test_tensor_parallel_ranks_get_the_same_batches():
     assert sorted(x for b in tp2[0] + tp2[2] for x in b) == list(range(16))
     plain = run_distributed(_tp_batches, 4, args=(1,))
     assert len({str(b) for b in plain}) == 4  # without TP every rank has its own
+
+
+def _pipeline_loop() -> dict:
+    """A custom Accelerate loop with pp_size = 2 on 4 ranks (2 replicas): the engine's
+    train_batch per step; backward is refused with what to call instead."""
+    model = build_model(0, num_hidden_layers=4)
+    accelerator = hf_zero.ZeroAccelerator(zero_plugin=hf_zero.ZeroPlugin(pp_size=2, stage=1))
+    rows = torch.randint(0, 200, (8, 12), generator=torch.Generator().manual_seed(3)).repeat(2, 1)
+    loader = torch.utils.data.DataLoader(rows, batch_size=4)
+    model, optimizer, loader = accelerator.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader
+    )
+    seen, losses = [], []
+    for ids in loader:
+        seen.append(ids.tolist())
+        losses.append(accelerator.engine.train_batch({"input_ids": ids}))
+        optimizer.step()  # the loop's own calls have nothing left to do
+        optimizer.zero_grad()
+    try:
+        accelerator.backward(torch.zeros((), requires_grad=True))
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    return {"seen": seen, "losses": losses, "refused": refused,
+            "norm": accelerator.clip_grad_norm_(model.parameters(), 1.0).item()}  # fmt: skip
+
+
+def test_pipeline_stages_in_a_custom_accelerate_loop():
+    r = run_distributed(_pipeline_loop, 4)
+    # rank = pp_rank * 2 + dp_rank: ranks 0 and 2 (replica 0) see the same batches, 1 and 3
+    assert r[0]["seen"] == r[2]["seen"] and r[1]["seen"] == r[3]["seen"] != r[0]["seen"]
+    # Each replica sees its rows twice (the data repeats): training lowers the loss.
+    assert r[0]["losses"] == r[2]["losses"] and r[0]["losses"][-1] < r[0]["losses"][0]
+    assert "call accelerator.engine.train_batch(batch)" in r[0]["refused"]
+    assert r[0]["norm"] > 0  # the norm train_batch measured

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_zero.checkpoint import MARKER, _fsync_dir, _write_text
+from hf_zero.checkpoint import MARKER, publish
 
 if TYPE_CHECKING:
     from hf_zero.pipeline.engine import PipelineEngine
@@ -70,18 +69,7 @@ def save_checkpoint(engine: PipelineEngine, directory: str | Path, keep_last: in
     dist.gather_object((stage_file(topo.pp_rank, topo.tp_rank), names), listing, dst=0)
     dist.barrier()  # every file is on disk; a rank that died never gets past here
     if dist.get_rank() == 0:
-        _write_text(tmp / META, json.dumps(_meta(engine, dict(listing)), indent=1))
-        _write_text(tmp / MARKER, time.strftime("%Y-%m-%dT%H:%M:%S"))
-        _fsync_dir(tmp)
-        old = directory.with_name(directory.name + ".old")
-        if directory.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-        tmp.rename(directory)
-        _fsync_dir(directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        if keep_last:
-            _rotate(directory, keep_last)
+        publish(tmp, directory, META, _meta(engine, dict(listing)), keep_last)
     dist.barrier()
 
 
@@ -163,15 +151,6 @@ def _meta(engine: PipelineEngine, files: dict[str, list[str]]) -> dict:
         "tp_shards": tp_shards,
         "files": {f: files[f] for f in sorted(files)},
     }
-
-
-def _rotate(directory: Path, keep_last: int) -> None:
-    siblings = [
-        d for d in directory.parent.iterdir() if (d / MARKER).is_file() and (d / META).is_file()
-    ]
-    siblings.sort(key=lambda d: (d / MARKER).stat().st_mtime)
-    for old in siblings[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- loading ----------------------------------------------------------------------------------

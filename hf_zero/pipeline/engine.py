@@ -29,8 +29,7 @@ from torch.distributed.pipelining import (
 
 from hf_zero.comm import Collectives
 from hf_zero.config import ZeroConfig
-from hf_zero.optim import build_optimizer, check_elementwise
-from hf_zero.optim.deepspeed_schedules import scheduler_from_config
+from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.pipeline.split import CausalLMStage, split_causal_lm, sync_tied_grads
 from hf_zero.pipeline.stage_optimizer import StageOptimizer
 from hf_zero.pipeline.topology import PipelineTopology
@@ -84,18 +83,7 @@ class PipelineEngine:
         config.resolve_auto(hidden_size=hidden, world_size=dp_size)
         config.check_batch_sizes(dp_size)
         check_supported(config)
-        if optimizer is None:
-            if config.optimizer is None:
-                raise ValueError(
-                    "hf_zero pipeline: pass an optimizer built on model.parameters(), or give "
-                    "the config an 'optimizer' section"
-                )
-            optimizer = build_optimizer(
-                [p for p in model.parameters() if p.requires_grad], config.optimizer
-            )
-        check_elementwise(optimizer, config.allow_untested_optimizer)
-        if lr_scheduler is None and config.scheduler is not None:
-            lr_scheduler = scheduler_from_config(optimizer, config)
+        optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
         self.config, self.module, self.optimizer = config, model, optimizer
         self.lr_scheduler = lr_scheduler
         self.device = current_device()
