@@ -174,7 +174,7 @@ def _gpt2(vocab: int) -> torch.nn.Module:
 
 def _train(
     pp: int, schedule: str, tied: bool, steps: int = 3, gpt2: bool = False, vary: bool = False,
-    **cfg,
+    qwen3: bool = False, **cfg,
 ) -> dict:  # fmt: skip
     """``steps`` AdamW steps through the engine on ``pp x dp x tp`` ranks (dp and tp from the
     world size and ``cfg``), against one process training the whole model on the same global
@@ -186,6 +186,10 @@ def _train(
     vocab = 256 if tp > 1 else MODEL["vocab_size"]  # embedding rows split over TP ranks
     if gpt2:
         model = _gpt2(vocab)
+    elif qwen3:  # q/k norms inside attention, head_dim apart from hidden / heads
+        from hf_zero.tiny import tiny_qwen3
+
+        model = tiny_qwen3(0, num_hidden_layers=4, vocab_size=vocab, tie_word_embeddings=tied)
     else:
         model = build_model(0, num_hidden_layers=4, tie_word_embeddings=tied, vocab_size=vocab)
     reference = copy.deepcopy(model)
@@ -289,6 +293,11 @@ def test_gpt2_family_two_stages_two_replicas_zero_2():
     """GPT-2's layout (transformer.wte / wpe / h / ln_f, tied head, learned positions)."""
     results = run_distributed(_train, 4, args=(2, "1f1b", True), kwargs={"gpt2": True, "stage": 2})
     _check_training(results, pp=2, dp=2)
+
+
+def test_qwen3_two_stages():
+    results = run_distributed(_train, 2, args=(2, "1f1b", True), kwargs={"qwen3": True})
+    _check_training(results, pp=2)
 
 
 @pytest.mark.slow
