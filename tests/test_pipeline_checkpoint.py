@@ -180,3 +180,40 @@ def _eval_after_load(path: str) -> float:
     engine.load_checkpoint(path)
     ids, mask, labels = _data(2)
     return engine.eval_batch({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+
+def _trainer_evaluate(tmp: str) -> dict:
+    from transformers import default_data_collator
+
+    from hf_zero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+
+    args = ZeroTrainingArguments(
+        output_dir=tmp, pp_size=2, zero_stage=1, max_steps=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, per_device_eval_batch_size=4, report_to="none",
+        save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    ids, mask, labels = _data(2)
+    data = [
+        {"input_ids": i, "attention_mask": m, "labels": t} for i, m, t in zip(ids, mask, labels)
+    ]
+    trainer = ZeroTrainer(
+        model=build_model(0, num_hidden_layers=4), args=args, train_dataset=data,
+        eval_dataset=data[:8], data_collator=default_data_collator,
+    )  # fmt: skip
+    trainer.train()
+    metrics = trainer.evaluate()  # through the stages (prediction_step -> eval_batch)
+    model = trainer.model  # whole again on every rank after train()
+    with torch.no_grad():
+        want = [
+            lm_loss(model(input_ids=i, attention_mask=m).logits, t).item()
+            for i, m, t in zip(*(t[:8].chunk(2) for t in (ids, mask, labels)))
+        ]
+    return {"eval_loss": metrics["eval_loss"], "want": sum(want) / len(want)}
+
+
+def test_trainer_evaluates_through_the_stages(tmp_path):
+    """``trainer.evaluate()`` with pp_size = 2: each eval batch runs as one micro-batch through
+    the stages; the loss equals the whole model's on the same batches (which every rank holds
+    again after train())."""
+    for r in run_distributed(_trainer_evaluate, 2, args=(str(tmp_path),)):
+        assert abs(r["eval_loss"] - r["want"]) <= 1e-5, r

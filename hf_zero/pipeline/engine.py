@@ -30,7 +30,13 @@ from torch.distributed.pipelining import (
 from hf_zero.comm import Collectives
 from hf_zero.config import ZeroConfig
 from hf_zero.optim.setup import optimizer_and_scheduler
-from hf_zero.pipeline.split import CausalLMStage, split_causal_lm, sync_tied_grads
+from hf_zero.pipeline.split import (
+    CausalLMStage,
+    split_causal_lm,
+    stage_layer_ranges,
+    stage_model_parameters,
+    sync_tied_grads,
+)
 from hf_zero.pipeline.stage_optimizer import StageOptimizer
 from hf_zero.pipeline.topology import PipelineTopology
 from hf_zero.topology import Group, current_device, init_distributed
@@ -101,6 +107,12 @@ class PipelineEngine:
         self.stages: list[CausalLMStage] = [
             split_causal_lm(model, n_stages, s, config.pp_partition) for s in self.stage_ids
         ]
+        # Every stage's parameters, for gather_whole_model (a partition by parameter count can
+        # no longer be recomputed once the other stages' parameters are emptied).
+        self._all_stage_params = [
+            stage_model_parameters(model, layers, s == 0, s == n_stages - 1)
+            for s, layers in enumerate(stage_layer_ranges(model, n_stages, config.pp_partition))
+        ]
         self._release_other_stages()
         for stage in self.stages:
             stage.to(self.device)
@@ -151,13 +163,9 @@ class PipelineEngine:
         pipeline), so that ``model(...)`` runs on every rank after training, as it did
         before; the memory of the whole model comes back with it. Training may continue."""
         topo = self.topology
-        model_params = {id(p) for p in self.module.parameters()}
-        for s in range(self.num_stages):
+        for s, params in enumerate(self._all_stage_params):
             owner = topo.rank_of(s % topo.pp_size, topo.dp_rank, topo.tp_rank)
-            stage = split_causal_lm(self.module, self.num_stages, s, self.config.pp_partition)
-            for p in stage.parameters():
-                if id(p) not in model_params:
-                    continue  # a tied head's copy: the embedding (stage 0) is the weight
+            for p in params:
                 if id(p) in self._released:
                     shape = self._released.pop(id(p))[1]
                     p.data = torch.empty(shape, dtype=p.dtype, device=self.device)

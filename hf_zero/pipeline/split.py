@@ -185,16 +185,38 @@ class CausalLMStage(nn.Module):
         return hidden, (mask2d.contiguous() if mask2d is not None else empty)
 
 
-def split_causal_lm(
-    model: nn.Module, pp_size: int, pp_rank: int, partition: str | Sequence[int] = "parameters"
-) -> CausalLMStage:
-    """The stage module rank ``pp_rank`` of ``pp_size`` runs (it shares the model's modules)."""
+def stage_layer_ranges(
+    model: nn.Module, pp_size: int, partition: str | Sequence[int] = "parameters"
+) -> list[range]:
+    """The decoder layers of each of ``pp_size`` stages (the embedding counted on the first,
+    the norm and head on the last)."""
     parts = decoder_layout(model)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in parts.layers]
     embed = parts.embed.weight.numel() + (parts.positions.weight.numel() if parts.positions else 0)
     head = model.lm_head.weight.numel() + sum(p.numel() for p in parts.norm.parameters())
-    bounds = partition_layers(sizes, pp_size, partition, first_extra=embed, last_extra=head)
+    return partition_layers(sizes, pp_size, partition, first_extra=embed, last_extra=head)
+
+
+def split_causal_lm(
+    model: nn.Module, pp_size: int, pp_rank: int, partition: str | Sequence[int] = "parameters"
+) -> CausalLMStage:
+    """The stage module rank ``pp_rank`` of ``pp_size`` runs (it shares the model's modules)."""
+    bounds = stage_layer_ranges(model, pp_size, partition)
     return CausalLMStage(model, bounds[pp_rank], pp_rank == 0, pp_rank == pp_size - 1)
+
+
+def stage_model_parameters(
+    model: nn.Module, layers: range, first: bool, last: bool
+) -> list[nn.Parameter]:
+    """The model's own parameters a stage with these layers runs (a tied head: the embedding's
+    weight, which the first stage holds), without building the stage."""
+    parts = decoder_layout(model)
+    modules = [parts.layers[i] for i in layers]
+    if first:
+        modules += [parts.embed] + ([parts.positions] if parts.positions is not None else [])
+    if last:
+        modules += [parts.norm, model.lm_head]
+    return list(dict.fromkeys(p for m in modules for p in m.parameters()))
 
 
 def sync_tied_grads(stage: CausalLMStage, group: dist.ProcessGroup | None) -> None:
