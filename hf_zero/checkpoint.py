@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import struct
 import time
 import warnings
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from hf_zero.checkpoint_stream import Piece, write_streamed
 
@@ -65,10 +67,7 @@ def save_checkpoint(
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     rank = engine.topology.rank
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(engine)
+    make_shared_tmp(tmp, directory)
     topo = engine.topology
     _write_safetensors(
         _rank_pieces(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
@@ -77,6 +76,42 @@ def save_checkpoint(
     if rank == 0:
         publish(tmp, directory, META, _meta(engine), keep_last)
     _barrier(engine)
+
+
+def make_shared_tmp(tmp: Path, directory: Path) -> None:
+    """Rank 0 creates ``tmp`` (emptied); then every rank writes a probe file there and rank 0
+    checks that it sees them all (collective over every rank). Checkpoints are one directory
+    that every rank writes into and rank 0 publishes; on nodes that do not share it, say so
+    now, on every rank, before anything is written or published."""
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    probe = tmp / f".probe-rank{rank}"
+    if tmp.is_dir():
+        probe.write_text(socket.gethostname())
+    dist.barrier()
+    missing = None
+    if rank == 0:
+        missing = [
+            r for r in range(dist.get_world_size()) if not (tmp / f".probe-rank{r}").exists()
+        ]
+    box = [missing]
+    dist.broadcast_object_list(box, src=0)
+    missing = box[0]
+    if missing:
+        node = os.environ.get("GROUP_RANK")
+        raise ValueError(
+            f"hf_zero checkpoint: '{directory}' is not one directory every rank shares: rank 0 "
+            f"does not see the files ranks {missing} write there. Save to a filesystem that "
+            "every node mounts at the same path (NFS, Lustre, a shared volume); the previous "
+            f"checkpoint, if any, is untouched. (This rank: host {socket.gethostname()}"
+            + (f", node {node}" if node is not None else "")
+            + ")"
+        )
+    dist.barrier()
+    probe.unlink(missing_ok=True)
 
 
 def publish(tmp: Path, directory: Path, meta_name: str, meta: dict, keep_last: int | None) -> None:

@@ -101,7 +101,11 @@ class ZeroEngine:
             self._apply_tensor_parallel(optimizer)
         self._broadcast_module()
 
-        if "nvme" in (config.offload_param, config.offload_optimizer) and self.device.type == "cpu":
+        nvme = "nvme" in (config.offload_param, config.offload_optimizer)
+        self._reuse_host = config.host_memory == "reuse" and not nvme
+        if self.device.type == "cpu" and self._reuse_host:
+            host_memory.reuse_freed_memory()
+        if nvme and self.device.type == "cpu":
             host_memory.unmap_large_frees()  # ZeRO-Infinity: the host holds a working set only
         builder = GroupBuilder(
             model, config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split
@@ -316,7 +320,7 @@ class ZeroEngine:
         else:
             self.skipped_steps += 1
         self.zero_grad()
-        if self.device.type == "cpu" and self.config.stage >= 2:
+        if self.device.type == "cpu" and self.config.stage >= 2 and not self._reuse_host:
             # The sharded gradients freed here leave the process, not just the heap. Stages
             # 0-1 keep their gradient buffers; their few transients are better reused than
             # returned (a trim costs the next step its page faults: stage 1 measured 1.09x DDP).

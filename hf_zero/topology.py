@@ -8,6 +8,7 @@ torchrun/accelerate, and can be set explicitly to simulate several nodes on one 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -22,6 +23,13 @@ class Group:
     pg: dist.ProcessGroup | None
     ranks: tuple[int, ...]
     spans_nodes: bool
+    node_size: int | None = None
+    """Ranks per node (nodes are runs of consecutive global ranks); None when not known."""
+    hierarchy: tuple[Group, Group] | None = None
+    """``(intra, inter)`` when the group spans nodes and splits into equal per-node parts:
+    this rank's members on its own node (in group order), and the members at this rank's
+    position on every node. Collectives use it to send each byte across the network once
+    (`hf_zero.comm.hierarchical`)."""
 
     @property
     def size(self) -> int:
@@ -29,6 +37,13 @@ class Group:
 
     def rank_of(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
+
+    def off_node(self, global_rank: int, peer: int) -> bool:
+        """Whether ``peer`` (a global rank) is on another node than ``global_rank``; when the
+        node layout is unknown, a group that spans nodes counts every peer as remote."""
+        if self.node_size is None:
+            return self.spans_nodes
+        return global_rank // self.node_size != peer // self.node_size
 
 
 @dataclass
@@ -73,7 +88,7 @@ class Topology:
     @property
     def world(self) -> Group:
         """Every rank, on the default process group."""
-        return Group(None, tuple(range(self.world_size)), self.num_nodes > 1)
+        return Group(None, tuple(range(self.world_size)), self.num_nodes > 1, self.node_size)
 
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.node_size
@@ -127,7 +142,7 @@ class Topology:
                 else:
                     pg = dist.new_group(list(ranks), backend=backend)
                 if rank in ranks:
-                    mine = Group(pg, ranks, spans)
+                    mine = Group(pg, ranks, spans, node_size)
             assert mine is not None
             return mine
 
@@ -153,6 +168,10 @@ class Topology:
                 [m[n * per_node : (n + 1) * per_node] for m in dp_members for n in range(nodes)]
             )
             dp_inter = make([m[i::per_node] for m in dp_members for i in range(per_node)])
+
+        if dp.spans_nodes and dp_intra.size > 1 and dp_inter.size > 1:
+            # Plain ``dp`` stays the control group: small messages gain nothing from two hops.
+            dp = dataclasses.replace(dp, hierarchy=(dp_intra, dp_inter))
 
         hpz = None
         if hpz_size > 1:

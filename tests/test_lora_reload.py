@@ -97,9 +97,11 @@ def test_load_for_inference_reproduces_the_trained_logits(quick_start):
     assert not model.training
     replayed = _probe(model)
     assert rel_diff(replayed, trained) < 1e-5, rel_diff(replayed, trained)  # measured: 0.0
-    # The adapter on the unquantized base: a different model (measured 0.0605; docs say 6.0%).
+    # The adapter on the unquantized base: a different model. How different depends on the
+    # 150-step trajectory, which follows the CPU's kernels: measured 0.0605 on an AVX-512
+    # machine, 0.097 on an AVX2 one (docs say 6-10%).
     plain = _probe(hf_zero.load_for_inference(None, quick_start, quantized=False))
-    assert 0.01 < rel_diff(plain, trained) < 0.075, rel_diff(plain, trained)
+    assert 0.01 < rel_diff(plain, trained) < 0.2, rel_diff(plain, trained)
 
 
 def test_load_for_inference_finds_the_base_of_a_moved_output_dir(quick_start, tmp_path):

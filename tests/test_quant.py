@@ -67,3 +67,37 @@ def test_bad_arguments_are_named():
         quantize(torch.zeros(4), bits=3)
     with pytest.raises(ValueError, match="block_size = 3 must be an even integer"):
         quantize(torch.zeros(4), block_size=3)
+
+
+def _one_pass(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula in one vectorised pass over the whole (padded) rows: the reference."""
+    qmax = QMAX[bits]
+    flat = torch.nn.functional.pad(x.float(), (0, -x.shape[1] % block_size))
+    blocks = flat.view(x.shape[0], -1, block_size)
+    scales = blocks.abs().amax(dim=2, keepdim=True) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    ints = torch.round(blocks / safe).clamp_(-qmax, qmax).to(torch.int8)
+    return ints.view(x.shape[0], -1), scales.view(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_work_equals_the_one_pass_formula_bit_for_bit(monkeypatch, bits, dtype):
+    """Chunk boundaries (forced small here) and transposed inputs change nothing."""
+    import hf_zero.quant as quant
+
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 192)  # 3 blocks of 64 per chunk
+    torch.manual_seed(0)
+    full = (torch.randn(2, 3, 1000) * torch.logspace(-2, 2, 1000)).to(dtype)
+    x = full.transpose(0, 1)  # [3, 2, 1000]: rows taken in row-major order, not copied
+    q = quantize_rows(x, bits, 64)
+    ints, scales = _one_pass(x.reshape(6, 1000), bits, 64)
+    assert torch.equal(q.scales, scales)
+    back_ints = quant._values(q, slice(None), 0, q.scales.shape[1] * 64)
+    assert torch.equal(back_ints, ints)
+    expected = (ints.view(6, -1, 64).float() * scales.unsqueeze(-1)).view(6, -1)[:, :1000]
+    assert torch.equal(dequantize_rows(q), expected)
+    assert torch.equal(dequantize_rows(q, dtype), expected.to(dtype))
+    acc = torch.ones(6, 1000)
+    quant.dequantize_rows_into(q, acc, accumulate=True)
+    assert torch.equal(acc, expected + 1)

@@ -56,6 +56,28 @@ def test_fp32_matches_ddp(world_size, gas, checkpointing):
         assert r["param"] <= FP32_TOL, r
 
 
+def _host_memory_policies() -> dict:
+    from hf_zero import host_memory
+
+    trims = []
+    original = host_memory.trim
+    host_memory.trim = lambda: trims.append(1) or original()
+    ref_losses, ref_params = train_ddp(STEPS, 1, CLIP)
+    out = {}
+    for policy in ("release", "reuse"):  # mallopt is process-wide: "reuse" last
+        trims.clear()
+        losses, params, _ = train_zero(STEPS, 1, CLIP, 3, host_memory=policy, **ZERO3)
+        out[policy] = (max_loss_diff(losses, ref_losses), max_param_diff(params, ref_params))
+        out[policy + "_trims"] = len(trims)
+    return out
+
+
+def test_host_memory_reuse_skips_the_trim_and_changes_no_result():
+    for r in run_distributed(_host_memory_policies, 2):
+        assert r["release_trims"] == STEPS and r["reuse_trims"] == 0, r
+        assert max(r["release"] + r["reuse"]) <= FP32_TOL, r
+
+
 def test_bf16_matches_ddp_within_tolerance():
     for r in run_distributed(_parity, 2, args=(2, False, "bf16")):
         assert r["loss"] <= BF16_TOL and r["param"] <= BF16_TOL, r

@@ -46,8 +46,10 @@ class HpZGather:
     and keeps this rank's ``1/hpz`` slice of the result (the *secondary shard*); later gathers -
     backward's above all - all-gather the secondaries inside the (intra-node) hpZ group.
 
-    A MixZ++ group (``permanent``) keeps its INT8 secondary rows for the whole run: frozen
-    weights never change.
+    With qwZ the secondary is the slice of the gathered INT8 rows, not of the dequantized
+    weights: a quarter of the memory and of the intra-node bytes (fp32), and backward computes
+    with the same values. A MixZ++ group (``permanent``) keeps its secondary for the whole run:
+    frozen weights never change.
     """
 
     def __init__(self, inner: ExactGather, hpz: Group, rank: int, permanent: bool) -> None:
@@ -70,7 +72,9 @@ class HpZGather:
         if not self._keep:
             return
         self._keep = False
-        if self.permanent:
+        if isinstance(work, QuantizedGather):
+            # Keep the INT8 rows (a quarter of fp32's bytes, half of bf16's): backward
+            # dequantizes them to exactly the weights forward computed with.
             q = work.gathered
             rows = q.data.shape[0] // self.hpz.size
             keep = slice(self.index * rows, (self.index + 1) * rows)

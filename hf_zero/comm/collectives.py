@@ -14,8 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hf_zero.comm import exchange
-from hf_zero.comm.stats import ALGORITHMS, CommStats, wire_bytes
+from hf_zero.comm import exchange, hierarchical
+from hf_zero.comm.stats import ALGORITHMS, CommStats, tree_child_vranks, wire_bytes
 from hf_zero.topology import Group
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.6.
@@ -49,6 +49,9 @@ class Collectives:
         self.native_collectives = native_collectives
         self._tags: dict[object, int] = {}
         self._background = exchange.Background()  # shared with `for_purpose` copies
+        self.reductions = exchange.Background()
+        """A second worker for multi-step reductions (qgZ's inter-node step), so that waiting
+        on one never holds up the exchanges (prefetched gathers) queued on the first."""
 
     def _exchange_tag(self, group: Group) -> int | None:
         """A fresh point-to-point tag for ``group`` when the exchange path applies, else None.
@@ -85,6 +88,18 @@ class Collectives:
             output.copy_(input)
             return None
         tag = self._exchange_tag(group)
+        if tag is not None and group.hierarchy is not None:
+            intra, inter = group.hierarchy
+            tags = (
+                [self._exchange_tag(intra) for _ in range(inter.size)],
+                self._exchange_tag(inter),
+            )
+            buffers = hierarchical.receive_buffers(output, intra, inter)
+            self._book_hierarchical("reduce_scatter", _nbytes(input), group)
+            return self._exchange(
+                lambda: hierarchical.reduce_scatter(output, input, intra, inter, tags, buffers),
+                async_op,
+            )
         self._book("reduce_scatter", _nbytes(input), group, exchanged=tag is not None)
         if tag is None:
             return reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
@@ -101,6 +116,16 @@ class Collectives:
             output.copy_(input)
             return None
         tag = self._exchange_tag(group)
+        if tag is not None and group.hierarchy is not None:
+            intra, inter = group.hierarchy
+            tags = (
+                self._exchange_tag(inter),
+                [self._exchange_tag(intra) for _ in range(inter.size)],
+            )
+            self._book_hierarchical("all_gather", _nbytes(output), group)
+            return self._exchange(
+                lambda: hierarchical.all_gather(output, input, intra, inter, tags), async_op
+            )
         self._book("all_gather", _nbytes(output), group, exchanged=tag is not None)
         if tag is None:
             return all_gather_single(output, input, group=group.pg, async_op=async_op)
@@ -157,11 +182,28 @@ class Collectives:
         """Record one call with the algorithm that will run (see the table in ``stats``)."""
         gloo = dist.get_backend(group.pg) == "gloo"
         algorithm = ALGORITHMS[kind][gloo] if not exchanged else "exchange"
-        wire = None
+        me = dist.get_rank()
+        here = group.rank_of(me)
         if algorithm == "binomial_tree":
-            here = group.rank_of(dist.get_rank())
             vrank = (here - group.rank_of(src)) % group.size
             wire = wire_bytes(algorithm, nbytes, group.size, vrank)
+            root = group.rank_of(src)
+            children = tree_child_vranks(vrank, group.size)
+            peers = [group.ranks[(root + c) % group.size] for c in children]
+        else:
+            wire = wire_bytes(algorithm, nbytes, group.size)
+            peers = list(group.ranks[:here] + group.ranks[here + 1 :])
+            if algorithm in ("ring", "ring_all_reduce", "gloo_all_reduce", "chain"):
+                peers = [group.ranks[(here + 1) % group.size]]  # a ring sends to its successor
+        remote = sum(group.off_node(me, p) for p in peers)
+        off_node = wire * remote // len(peers) if peers else 0
         self.stats.record(
-            kind, nbytes, group.spans_nodes, group.size, self.purpose, algorithm, wire
+            kind, nbytes, group.spans_nodes, group.size, self.purpose, algorithm, wire, off_node
+        )
+
+    def _book_hierarchical(self, kind: str, nbytes: int, group: Group) -> None:
+        intra, inter = group.hierarchy
+        wire, off_node = hierarchical.wire_bytes(nbytes, intra, inter)
+        self.stats.record(
+            kind, nbytes, True, group.size, self.purpose, "hierarchical", wire, off_node
         )

@@ -124,6 +124,12 @@ class Background:
 
         return Pending(self._pool.submit(run))
 
+    def submit_call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the worker (after what was submitted before); its future."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-exchange")
+        return self._pool.submit(fn)
+
 
 class Pending:
     """The handle of a background exchange: ``wait()`` returns once it is done (or raises)."""

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.comm.collectives import Collectives
-from hf_zero.quant import Quantized, dequantize_rows, fitted_block_size, quantize_rows
+from hf_zero.quant import (
+    Quantized,
+    dequantize_rows,
+    dequantize_rows_into,
+    fitted_block_size,
+    quantize_rows,
+    quantize_segments,
+)
 from hf_zero.topology import Group
 
 
@@ -84,16 +91,16 @@ class QuantizedGather:
         for work in self._works:
             if work is not None:
                 work.wait()
-        q = self.gathered
-        self.output.view(q.data.shape[0], q.numel).copy_(dequantize_rows(q))
+        dequantize_rows_into(self.gathered, self.output)
 
 
 class QuantizedReduceScatter:
     """Hierarchical quantized reduce of one flat gradient buffer into this rank's shard (qgZ).
 
     Owned by one `FlatParamGroup` (it keeps that group's error-feedback residuals). `launch`
-    starts the intra-node all-to-all; `finish` completes both steps and returns the fp32 *sum*
-    of this rank's shard across all ranks.
+    quantizes and starts step 1 (intra-node); step 2 (inter-node) runs on a background thread as
+    soon as step 1 has arrived, so it crosses the network while backward goes on; `finish`
+    waits and returns the fp32 *sum* of this rank's shard across all ranks.
     """
 
     def __init__(self, comm: Collectives, settings: ZeroPPSettings, numel: int) -> None:
@@ -112,51 +119,87 @@ class QuantizedReduceScatter:
         self.intra_block = fitted_block_size(chunk, settings.block_size)
         self.inter_block = fitted_block_size(self.shard_numel, settings.block_size)
         self.residuals: dict[str, torch.Tensor] = {}
-        self._pending: tuple | None = None
+        self._pending = None
 
     def launch(self, full: torch.Tensor, async_op: bool = True) -> None:
-        """Start step 1 (intra-node) on the flat gradient ``full``."""
+        """Start step 1 (intra-node) on the flat gradient ``full``; step 2 follows by itself."""
         if self.local == 1:
-            self._pending = (full.float().view(1, -1), None, None)
-            return
-        rows = full.view(self.nodes, self.local, self.shard_numel).transpose(0, 1)
-        q = self._quantize("intra", rows.reshape(self.local, -1), self.intra_block)
-        data, scales = torch.empty_like(q.data), torch.empty_like(q.scales)
-        works = [
-            self.comm.all_to_all(data, q.data, self.intra, async_op=async_op),
-            self.comm.all_to_all(scales, q.scales, self.intra, async_op=async_op),
-        ]
-        self._pending = (Quantized(data, scales, q.numel, q.bits, q.block_size), works, None)
+            received, works = None, None
+        else:
+            # [nodes, local, S]: row j (to local rank j) is x[:, j, :], read in place.
+            pieces = full.view(self.nodes, self.local, self.shard_numel)
+            rows = [[pieces[n, j] for n in range(self.nodes)] for j in range(self.local)]
+            q = self._quantize("intra", rows, self.intra_block)
+            received = Quantized(
+                torch.empty_like(q.data), torch.empty_like(q.scales), q.numel, q.bits, q.block_size
+            )
+            works = [
+                self.comm.all_to_all(
+                    received.data.view(self.local, -1), q.data.view(self.local, -1), self.intra,
+                    async_op=async_op,
+                ),
+                self.comm.all_to_all(
+                    received.scales.view(self.local, -1), q.scales.view(self.local, -1),
+                    self.intra, async_op=async_op,
+                ),
+            ]  # fmt: skip
+
+        def rest() -> torch.Tensor:
+            return self._step2(self._step1_sum(full, received, works))
+
+        if async_op and self.nodes > 1:
+            self._pending = self.comm.reductions.submit_call(rest)
+        else:
+            self._pending = rest
 
     def finish(self) -> torch.Tensor:
-        """Wait for step 1, run step 2 (inter-node) and return this rank's fp32 shard sum."""
-        received, works, _ = self._pending
-        self._pending = None
-        if works is None:
-            partial = received.view(-1)  # one rank per node: nothing to reduce in the node
-        else:
-            for work in works:
-                if work is not None:
-                    work.wait()
-            partial = dequantize_rows(received).sum(dim=0)
+        """Wait for both steps; this rank's fp32 shard sum."""
+        pending, self._pending = self._pending, None
+        return pending() if callable(pending) else pending.result()
+
+    def _step1_sum(self, full, received: Quantized | None, works) -> torch.Tensor:
+        """This node's partial sums ``[nodes, S]`` of this rank's shards (fp32)."""
+        if received is None:  # one rank per node: nothing to reduce in the node
+            return full.view(self.nodes, self.shard_numel).float()
+        for work in works:
+            if work is not None:
+                work.wait()
+        partial = torch.empty(self.nodes, self.shard_numel, dtype=torch.float32, device=full.device)
+        for peer in range(self.local):  # in rank order: deterministic
+            piece = Quantized(
+                received.data[peer : peer + 1], received.scales[peer : peer + 1],
+                received.numel, received.bits, received.block_size,
+            )  # fmt: skip
+            dequantize_rows_into(piece, partial, accumulate=peer > 0)
+        return partial
+
+    def _step2(self, partial: torch.Tensor) -> torch.Tensor:
+        """Across nodes: requantize the partial sums, exchange, dequantize and sum."""
         if self.nodes == 1:
-            return partial
-        q = self._quantize("inter", partial.view(self.nodes, -1), self.inter_block)
+            return partial.view(-1)
+        q = self._quantize("inter", [[row] for row in partial], self.inter_block)
         data, scales = torch.empty_like(q.data), torch.empty_like(q.scales)
         self.comm.all_to_all(data, q.data, self.inter)
         self.comm.all_to_all(scales, q.scales, self.inter)
-        return dequantize_rows(Quantized(data, scales, q.numel, q.bits, q.block_size)).sum(dim=0)
+        total = torch.empty(1, self.shard_numel, dtype=torch.float32, device=partial.device)
+        for node in range(self.nodes):
+            piece = Quantized(data[node : node + 1], scales[node : node + 1], q.numel, q.bits,
+                              q.block_size)  # fmt: skip
+            dequantize_rows_into(piece, total, accumulate=node > 0)
+        return total.view(-1)
 
-    def _quantize(self, step: str, rows: torch.Tensor, block_size: int) -> Quantized:
+    def _quantize(self, step: str, rows: list[list[torch.Tensor]], block: int) -> Quantized:
+        """Quantize rows given as lists of pieces (`quantize_segments`), with error feedback
+        when it is on."""
         if not self.error_feedback:
-            return quantize_rows(rows, self.bits, block_size)
-        rows = rows.float()
+            return quantize_segments(rows, self.bits, block)
+        dense = torch.stack([torch.cat(pieces).float() for pieces in rows])
         residual = self.residuals.get(step)
         if residual is not None:
-            rows = rows + residual
-        q = quantize_rows(rows, self.bits, block_size)
+            dense = dense + residual
+        q = quantize_segments([[row] for row in dense], self.bits, block)
         # A non-finite gradient (fp16 overflow, a skipped step) must not poison later steps.
-        self.residuals[step] = torch.nan_to_num_(rows - dequantize_rows(q), 0.0, 0.0, 0.0)
+        self.residuals[step] = torch.nan_to_num_(dense - dequantize_rows(q), 0.0, 0.0, 0.0)
         return q
 
     def residual_bytes(self) -> int:

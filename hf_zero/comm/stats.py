@@ -30,6 +30,16 @@ byte counts:
     ``barrier``            barriers, monitored barriers                        0
     =====================  ==================================================  =================
 
+    ``hierarchical``: hf_zero's reduce-scatter / all-gather on a gloo data-parallel group that
+    spans nodes (`hf_zero.comm.hierarchical`): an exchange among the ranks with the same
+    position on every node (``k`` nodes: ``(k-1)/k`` of ``M/L`` out of the node, ``L`` ranks per
+    node) and exchanges inside the node (``(L-1)/L M``).
+
+    The wire bytes are split by destination: ``inter_node_wire_bytes`` are those sent to ranks
+    on other nodes (what crosses the network: the ring's hop to the next node, the exchange's
+    chunks for remote peers, the tree's remote children), ``intra_node_wire_bytes`` the rest.
+    Paper bytes are split by group: inter-node when the group spans nodes.
+
     Summed over a group's ranks each figure is exact (to integer rounding); per rank it is exact
     for every row but ``chain`` (NCCL picks the ring order, so the mean is booked on every rank).
     Against loopback interface counters (tests/test_comm_wire.py) the wire figure is the payload:
@@ -51,6 +61,7 @@ Purposes keep the ZeRO traffic comparable with the paper while nothing goes unco
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -92,14 +103,19 @@ class Key(NamedTuple):
     algorithm: str
 
 
-def tree_children(vrank: int, size: int) -> int:
-    """How many ranks ``vrank`` (0 = the root) sends to in gloo's binomial-tree broadcast."""
-    children, step = 0, 1
+def tree_child_vranks(vrank: int, size: int) -> list[int]:
+    """The ranks ``vrank`` (0 = the root) sends to in gloo's binomial-tree broadcast."""
+    children, step = [], 1
     while step < size:
         if vrank < step and vrank + step < size:
-            children += 1
+            children.append(vrank + step)
         step *= 2
     return children
+
+
+def tree_children(vrank: int, size: int) -> int:
+    """How many ranks ``vrank`` sends to in gloo's binomial-tree broadcast."""
+    return len(tree_child_vranks(vrank, size))
 
 
 def wire_bytes(algorithm: str, nbytes: int, size: int, vrank: int = 0) -> int:
@@ -116,7 +132,8 @@ class CommStats:
     """Calls, paper bytes and wire bytes per purpose, kind, intra/inter-node and algorithm."""
 
     def __init__(self) -> None:
-        self._tally: dict[Key, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._tally: dict[Key, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._lock = threading.Lock()
 
     def record(
         self,
@@ -127,21 +144,27 @@ class CommStats:
         purpose: str = "zero",
         algorithm: str | None = None,
         wire: int | None = None,
+        off_node: int | None = None,
     ) -> None:
         """Book one call of ``kind`` on an ``nbytes`` buffer over ``group_size`` ranks.
 
         ``nbytes`` is ``M`` as in the module docstring (the input of a reduce-scatter or an
         all-to-all, the output of an all-gather, the buffer of an all-reduce or broadcast);
         ``algorithm`` defaults to the NCCL one (`ALGORITHMS`); ``wire`` overrides the bytes this
-        rank sends (default: from ``algorithm``).
+        rank sends (default: from ``algorithm``); ``off_node`` is the part of them sent to ranks
+        on other nodes (default: all of them when the group spans nodes, else none).
         """
         if purpose not in PURPOSES:
             raise ValueError(f"CommStats: purpose {purpose!r} is not one of {PURPOSES}")
         algorithm = algorithm or ALGORITHMS[kind][0]
-        row = self._tally[Key(purpose, kind, bool(spans_nodes), algorithm)]
-        row[0] += 1
-        row[1] += PAPER_FACTOR[kind] * nbytes
-        row[2] += wire_bytes(algorithm, nbytes, group_size) if wire is None else wire
+        wire = wire_bytes(algorithm, nbytes, group_size) if wire is None else wire
+        off_node = (wire if spans_nodes else 0) if off_node is None else off_node
+        with self._lock:  # qgZ's inter-node step books from a worker thread
+            row = self._tally[Key(purpose, kind, bool(spans_nodes), algorithm)]
+            row[0] += 1
+            row[1] += PAPER_FACTOR[kind] * nbytes
+            row[2] += wire
+            row[3] += off_node
 
     # --- totals ------------------------------------------------------------------------------
     def _sum(self, column: int, kind, purpose, inter_node, algorithm=None) -> int:
@@ -157,8 +180,15 @@ class CommStats:
     def wire_bytes(
         self, kind: str | None = None, purpose: str | None = None, inter_node: bool | None = None
     ) -> int:
-        """Bytes this rank sent (``None`` = every kind / purpose / both intra and inter-node)."""
-        return self._sum(2, kind, purpose, inter_node)
+        """Bytes this rank sent (``None`` = every kind / purpose / both intra and inter-node).
+
+        ``inter_node=True``: the bytes sent to ranks on other nodes, what crosses the network
+        between nodes; ``False``: the rest, sent to ranks on this node.
+        """
+        total, off_node = self._sum(2, kind, purpose, None), self._sum(3, kind, purpose, None)
+        if inter_node is None:
+            return total
+        return off_node if inter_node else total - off_node
 
     def paper_bytes(
         self, kind: str | None = None, purpose: str | None = None, inter_node: bool | None = None
@@ -205,7 +235,7 @@ class CommStats:
         for key in sorted(self._tally):
             if purpose is not None and key.purpose != purpose:
                 continue
-            calls, paper, wire = self._tally[key]
+            calls, paper, wire, off_node = self._tally[key]
             entry = out.setdefault(
                 key.kind,
                 {
@@ -226,7 +256,8 @@ class CommStats:
             entry["paper_bytes"] += paper
             entry["wire_bytes"] += wire
             entry[f"{where}_bytes"] += paper
-            entry[f"{where}_wire_bytes"] += wire
+            entry["inter_node_wire_bytes"] += off_node
+            entry["intra_node_wire_bytes"] += wire - off_node
             entry["algorithms"][key.algorithm] = entry["algorithms"].get(key.algorithm, 0) + calls
         return out
 
@@ -238,8 +269,8 @@ class CommStats:
     def rows(self) -> list[dict]:
         """One row per (purpose, kind, intra/inter-node, algorithm): the raw tally."""
         return [
-            {**key._asdict(), "calls": c, "paper_bytes": p, "wire_bytes": w}
-            for key, (c, p, w) in sorted(self._tally.items())
+            {**key._asdict(), "calls": c, "paper_bytes": p, "wire_bytes": w, "off_node_bytes": o}
+            for key, (c, p, w, o) in sorted(self._tally.items())
         ]
 
     # --- housekeeping ------------------------------------------------------------------------
@@ -247,6 +278,13 @@ class CommStats:
         twin = CommStats()
         twin._tally.update({k: list(v) for k, v in self._tally.items()})
         return twin
+
+    def since(self, earlier: CommStats) -> CommStats:
+        """What was counted after ``earlier`` (a `copy` taken before): a window of steps."""
+        window = self.copy()
+        for key, row in earlier._tally.items():
+            window._tally[key] = [a - b for a, b in zip(window._tally[key], row)]
+        return window
 
     def reset(self) -> CommStats:
         """Start counting from zero; returns what was counted until now (a new `CommStats`)."""

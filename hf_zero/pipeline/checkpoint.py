@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_zero.checkpoint import MARKER, publish
+from hf_zero.checkpoint import MARKER, make_shared_tmp, publish
 
 if TYPE_CHECKING:
     from hf_zero.pipeline.engine import PipelineEngine
@@ -54,10 +53,7 @@ def save_checkpoint(engine: PipelineEngine, directory: str | Path, keep_last: in
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     topo = engine.topology
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    make_shared_tmp(tmp, directory)
     tensors = _named_tensors(engine)  # collective over the data-parallel group
     if topo.dp_rank == 0:
         path = tmp / stage_file(topo.pp_rank, topo.tp_rank)
