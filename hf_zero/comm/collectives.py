@@ -123,8 +123,9 @@ class Collectives:
                 [self._exchange_tag(intra) for _ in range(inter.size)],
             )
             self._book_hierarchical("all_gather", _nbytes(output), group)
+            held = input.new_empty(inter.size * input.numel())
             return self._exchange(
-                lambda: hierarchical.all_gather(output, input, intra, inter, tags), async_op
+                lambda: hierarchical.all_gather(output, input, intra, inter, tags, held), async_op
             )
         self._book("all_gather", _nbytes(output), group, exchanged=tag is not None)
         if tag is None:

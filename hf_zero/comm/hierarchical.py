@@ -39,13 +39,18 @@ class TwoHops:
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, intra: Group, inter: Group, tags: tuple
+    output: torch.Tensor,
+    input: torch.Tensor,
+    intra: Group,
+    inter: Group,
+    tags: tuple,
+    held: torch.Tensor,
 ) -> TwoHops:
     """Start concatenating every rank's ``input`` into ``output`` (group order, as the flat
-    all-gather). ``tags``: ``(inter tag, [intra tag per node])``."""
-    nodes, size = inter.size, input.numel()
+    all-gather). ``tags``: ``(inter tag, [intra tag per node])``; ``held`` receives the first
+    hop (``nodes x input.numel()`` elements, allocated by the caller's thread)."""
+    size = input.numel()
     block = intra.size * size
-    held = input.new_empty(nodes * size)
     first = exchange.all_gather(held, input, inter, tags[0])
 
     def second() -> list[exchange.Exchange]:

@@ -98,9 +98,9 @@ class QuantizedReduceScatter:
     """Hierarchical quantized reduce of one flat gradient buffer into this rank's shard (qgZ).
 
     Owned by one `FlatParamGroup` (it keeps that group's error-feedback residuals). `launch`
-    quantizes and starts step 1 (intra-node); step 2 (inter-node) runs on a background thread as
-    soon as step 1 has arrived, so it crosses the network while backward goes on; `finish`
-    waits and returns the fp32 *sum* of this rank's shard across all ranks.
+    quantizes and starts step 1 (intra-node); on CPU, step 2 (inter-node) runs on a background
+    thread as soon as step 1 has arrived, so it crosses the network while backward goes on;
+    `finish` waits and returns the fp32 *sum* of this rank's shard across all ranks.
     """
 
     def __init__(self, comm: Collectives, settings: ZeroPPSettings, numel: int) -> None:
@@ -147,7 +147,9 @@ class QuantizedReduceScatter:
         def rest() -> torch.Tensor:
             return self._step2(self._step1_sum(full, received, works))
 
-        if async_op and self.nodes > 1:
+        # On CPU (gloo) step 2 starts on a worker as soon as step 1 lands. On GPUs it stays in
+        # `finish`, on the training thread's stream, until that path has been measured there.
+        if async_op and self.nodes > 1 and full.device.type == "cpu":
             self._pending = self.comm.reductions.submit_call(rest)
         else:
             self._pending = rest
