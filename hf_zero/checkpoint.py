@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.checkpoint_stream import Piece, write_streamed
+from hf_zero.topology import Group, current_device
 
 if TYPE_CHECKING:
+    from hf_zero.comm import Collectives
     from hf_zero.engine import ZeroEngine
     from hf_zero.flat_group import FlatParamGroup
 
@@ -67,7 +69,7 @@ def save_checkpoint(
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     rank = engine.topology.rank
-    make_shared_tmp(tmp, directory)
+    make_shared_tmp(tmp, directory, engine.comm)
     topo = engine.topology
     _write_safetensors(
         _rank_pieces(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
@@ -78,28 +80,28 @@ def save_checkpoint(
     _barrier(engine)
 
 
-def make_shared_tmp(tmp: Path, directory: Path) -> None:
+def make_shared_tmp(tmp: Path, directory: Path, comm: Collectives) -> None:
     """Rank 0 creates ``tmp`` (emptied); then every rank writes a probe file there and rank 0
-    checks that it sees them all (collective over every rank). Checkpoints are one directory
-    that every rank writes into and rank 0 publishes; on nodes that do not share it, say so
-    now, on every rank, before anything is written or published."""
-    rank = dist.get_rank()
+    checks that it sees them all (collective over every rank, booked as control traffic).
+    Checkpoints are one directory that every rank writes into and rank 0 publishes; on nodes
+    that do not share it, say so now, on every rank, before anything is written or published."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = Group(None, tuple(range(world)), False)
+    control = comm.for_purpose("control")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    control.barrier(everyone)
     probe = tmp / f".probe-rank{rank}"
     if tmp.is_dir():
         probe.write_text(socket.gethostname())
-    dist.barrier()
-    missing = None
+    control.barrier(everyone)
+    seen = torch.ones(world, dtype=torch.uint8, device=current_device())
     if rank == 0:
-        missing = [
-            r for r in range(dist.get_world_size()) if not (tmp / f".probe-rank{r}").exists()
-        ]
-    box = [missing]
-    dist.broadcast_object_list(box, src=0)
-    missing = box[0]
+        for r in range(world):
+            seen[r] = int((tmp / f".probe-rank{r}").exists())
+    control.broadcast(seen, 0, everyone)
+    missing = [r for r, ok in enumerate(seen.tolist()) if not ok]
     if missing:
         node = os.environ.get("GROUP_RANK")
         raise ValueError(
@@ -110,7 +112,7 @@ def make_shared_tmp(tmp: Path, directory: Path) -> None:
             + (f", node {node}" if node is not None else "")
             + ")"
         )
-    dist.barrier()
+    control.barrier(everyone)
     probe.unlink(missing_ok=True)
 
 

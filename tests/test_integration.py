@@ -363,6 +363,7 @@ ACCELERATE_CONFIGS = {
     "cpu_2proc.yaml": (2, "no"),
     "gpu_1proc_bf16.yaml": (1, "bf16"),
     "gpu_2proc_bf16.yaml": (2, "bf16"),
+    "two_nodes.yaml": (4, "no"),  # run by benchmarks/cluster/bench_cluster.py --accelerate
 }
 
 

@@ -53,7 +53,7 @@ def save_checkpoint(engine: PipelineEngine, directory: str | Path, keep_last: in
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     topo = engine.topology
-    make_shared_tmp(tmp, directory)
+    make_shared_tmp(tmp, directory, engine.comm)
     tensors = _named_tensors(engine)  # collective over the data-parallel group
     if topo.dp_rank == 0:
         path = tmp / stage_file(topo.pp_rank, topo.tp_rank)
