@@ -111,9 +111,12 @@ class Background:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
-    def submit(self, start: Callable[[], Exchange]) -> Pending:
+    def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-exchange")
+        return self._pool
+
+    def submit(self, start: Callable[[], Exchange]) -> Pending:
         box = [start]
 
         def run() -> None:
@@ -122,13 +125,11 @@ class Background:
             # alive past the end of backward.
             box.pop()().wait()
 
-        return Pending(self._pool.submit(run))
+        return Pending(self._worker().submit(run))
 
     def submit_call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on the worker (after what was submitted before); its future."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-exchange")
-        return self._pool.submit(fn)
+        return self._worker().submit(fn)
 
 
 class Pending:

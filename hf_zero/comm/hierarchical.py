@@ -27,13 +27,15 @@ from hf_zero.topology import Group
 
 
 class TwoHops:
-    """A started first hop and the second, run once the first is done; ``wait()`` finishes."""
+    """The started exchanges of the first hop and a function that starts the second's, run
+    once the first is done; ``wait()`` finishes both."""
 
-    def __init__(self, first: exchange.Exchange, second) -> None:
+    def __init__(self, first: list[exchange.Exchange], second) -> None:
         self.first, self.second = first, second
 
     def wait(self) -> None:
-        self.first.wait()
+        for hop in self.first:
+            hop.wait()
         for hop in self.second():
             hop.wait()
 
@@ -51,7 +53,7 @@ def all_gather(
     hop (``nodes x input.numel()`` elements, allocated by the caller's thread)."""
     size = input.numel()
     block = intra.size * size
-    first = exchange.all_gather(held, input, inter, tags[0])
+    first = [exchange.all_gather(held, input, inter, tags[0])]
 
     def second() -> list[exchange.Exchange]:
         return [
@@ -91,7 +93,7 @@ def reduce_scatter(
     def second() -> list[exchange.Exchange]:
         return [exchange.reduce_scatter(output, partial, inter, tags[1], inter_buffers)]
 
-    return TwoHops(exchange.Exchange([], lambda: [hop.wait() for hop in first]), second)
+    return TwoHops(first, second)
 
 
 def receive_buffers(output: torch.Tensor, intra: Group, inter: Group) -> tuple:
