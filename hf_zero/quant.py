@@ -115,7 +115,8 @@ def quantize_segments(
             scale = blocks.abs().amax(dim=1, keepdim=True).div_(qmax)
             scales[r, start // block_size : start // block_size + blocks.shape[0]] = scale[:, 0]
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            quotient = torch.div(blocks, safe).round_().clamp_(-qmax, qmax)
+            # |x| <= absmax = scale * qmax, so the rounded quotient is within [-qmax, qmax].
+            quotient = torch.div(blocks, safe).round_()
             values[r, start : start + quotient.numel()].copy_(quotient.view(-1))
     if bits == 4:
         nibbles = (values + 8).to(torch.uint8).view(len(rows), -1, 2)  # 1..15, two per byte

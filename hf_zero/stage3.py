@@ -27,6 +27,11 @@ The first step records the order units run in; ranks compare the traces and, if 
 later steps prefetch along them. Every unit entry is also checked across ranks with a tiny
 all-gather of the unit's index (``check_execution_order``), so a forward that takes different
 paths on different ranks raises a clear error instead of deadlocking in mismatched collectives.
+A check waits for its answer at once only where this rank is about to issue a collective the
+others might not: off the agreed trace, or gathering a unit that is not already on its way. On
+the trace its answer is read at the next check (every rank is normally past it by then) or at
+the end of backward, so the checks no longer hold every rank in step at every unit; a rank that
+leaves the trace still meets the others' checks and raises, and they raise at their next one.
 """
 
 from __future__ import annotations
@@ -125,8 +130,11 @@ class Zero3Coordinator:
         self._bwd_cursor = 0
         self._backward_started = False
         self._prefetched: set[int] = set()
-        self.stats = {"prefetch_hits": 0, "on_demand_gathers": 0}
-        """How often a unit found its parameters already on the way (prefetched) or not."""
+        self._checks: list[tuple[object, torch.Tensor, int]] = []
+        """Order checks issued and not yet read: (work, every rank's code, this rank's code)."""
+        self.stats = {"prefetch_hits": 0, "on_demand_gathers": 0, "checks": 0, "checks_waited": 0}
+        """How often a unit found its parameters already on the way (prefetched) or not; how
+        many order checks ran, and how many of them were waited for at once."""
         self.saved = SavedWeightViews(gather=self._gather_on_demand)
         """Keeps autograd's saved views of gathered weights from pinning released buffers."""
         self._handles = []
@@ -155,7 +163,11 @@ class Zero3Coordinator:
             self._fwd_cursor = 0
             if torch.is_grad_enabled():
                 self.saved.enter()
-        self._check("enter", unit.index)
+        self._check(
+            "enter",
+            unit.index,
+            settled=not self._expected(unit, self.forward_trace, self._fwd_cursor),
+        )
         if self._recording is not None and torch.is_grad_enabled() and not _in_backward():
             self._recording[0].append(unit.index)
         self._gather(unit)
@@ -174,7 +186,10 @@ class Zero3Coordinator:
         if unit.is_root:
             if not _in_backward():
                 self.saved.exit()
-                self._check("forward end", -1)
+                trace = self.forward_trace
+                self._check(
+                    "forward end", -1, settled=trace is None or self._fwd_cursor < len(trace)
+                )
             if not needs_backward:
                 self.release_all()
         elif not _in_backward() and not self._runs_next(unit):
@@ -204,7 +219,11 @@ class Zero3Coordinator:
             self._backward_started = True
             self._bwd_cursor = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._check("backward", unit.index)
+        self._check(
+            "backward",
+            unit.index,
+            settled=not self._expected(unit, self.backward_trace, self._bwd_cursor),
+        )
         if self._recording is not None:
             self._recording[1].append(unit.index)
         unit.backward_users += 1
@@ -215,6 +234,17 @@ class Zero3Coordinator:
         unit.backward_users = max(0, unit.backward_users - 1)
         if unit.backward_users == 0 and not unit.is_root:
             unit_release(unit)
+
+    @staticmethod
+    def _expected(unit: Unit, trace: list[int] | None, cursor: int) -> bool:
+        """Whether ``unit`` is next on the agreed trace and already gathered or on its way:
+        entering it issues no collective the other ranks might not."""
+        return (
+            trace is not None
+            and cursor < len(trace)
+            and trace[cursor] == unit.index
+            and any(g.flat_param is not None for g in unit.groups)
+        )
 
     def _end_of_backward(self) -> None:
         self._backward_started = False
@@ -239,6 +269,7 @@ class Zero3Coordinator:
         """Backward needs a released group's weights (used outside its unit); released with
         everything else at the end of backward."""
         self.stats["on_demand_gathers"] += 1
+        self._settle_checks()  # a collective the other ranks may not issue: check first
         gather_groups([group])
 
     def _prefetch(self, trace: list[int] | None, cursor_name: str, unit: Unit) -> None:
@@ -274,6 +305,7 @@ class Zero3Coordinator:
             ahead -= bool(groups)
 
     def release_all(self) -> None:
+        self._settle_checks()
         self._prefetched.clear()
         for unit in self.units:
             unit.backward_users = 0
@@ -296,24 +328,41 @@ class Zero3Coordinator:
                 "ZeRO-3 prefetch is disabled"
             )
 
-    def _check(self, event: str, index: int) -> None:
-        """Raise on every rank if the ranks are not all at the same unit (collective)."""
+    def _check(self, event: str, index: int, settled: bool) -> None:
+        """Check across ranks that all are at the same unit; raise on every rank if not.
+
+        Reads the answers of earlier checks first (lag one). ``settled``: also wait for this
+        one's now, before this rank issues a collective the others might not.
+        """
         if not self.check_execution_order or self.control.size == 1:
             return
+        self._settle_checks()
         code = index if event != "backward" else -2 - index
         mine = torch.tensor([code], dtype=torch.int64)
         everyone = torch.zeros(self.control.size, dtype=torch.int64)
-        self.comm.all_gather(everyone, mine, self.control)
-        if bool((everyone == code).all()):
-            return
-        seen = [self._describe(int(c)) for c in everyone]
-        raise RuntimeError(
-            "hf_zero ZeRO-3: ranks took different paths through the model ("
-            + "; ".join(f"rank {r}: {s}" for r, s in zip(self.control.ranks, seen))
-            + "). Every rank must run the same modules in the same order, because each one "
-            "gathers its parameters with a collective. Make control flow independent of the "
-            "rank's data, or use stage 0-2 for this model."
-        )
+        work = self.comm.all_gather_native(everyone, mine, self.control, async_op=True)
+        self._checks.append((work, everyone, code))
+        self.stats["checks"] += 1
+        if settled:
+            self.stats["checks_waited"] += 1
+            self._settle_checks()
+
+    def _settle_checks(self) -> None:
+        """Wait for the checks issued so far, oldest first; raise at the first disagreement."""
+        while self._checks:
+            work, everyone, code = self._checks.pop(0)
+            work.wait()
+            if bool((everyone == code).all()):
+                continue
+            self._checks.clear()
+            seen = [self._describe(int(c)) for c in everyone]
+            raise RuntimeError(
+                "hf_zero ZeRO-3: ranks took different paths through the model ("
+                + "; ".join(f"rank {r}: {s}" for r, s in zip(self.control.ranks, seen))
+                + "). Every rank must run the same modules in the same order, because each one "
+                "gathers its parameters with a collective. Make control flow independent of the "
+                "rank's data, or use stage 0-2 for this model."
+            )
 
     def _describe(self, code: int) -> str:
         if code == -1:

@@ -189,6 +189,19 @@ def test_full_recipe_with_tensor_parallel_two_ranks(tmp_path):
     torch.testing.assert_close(fresh, torch.load(out / "probe_logits.pt"), rtol=1e-5, atol=1e-5)
 
 
+def _run_then_resume(recipe: str, flags: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """Train ``recipe`` into ``first`` (saving at step 3), then resume a second launch from
+    ``first/checkpoint-3`` into ``second``; both output directories."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    _launch(recipe, *flags, "--output_dir", str(first))
+    _launch(
+        recipe, *flags,
+        "--output_dir", str(second),
+        "--resume_from_checkpoint", str(first / "checkpoint-3"),
+    )  # fmt: skip
+    return first, second
+
+
 def test_full_recipe_pipeline_stages_resume_exactly_and_consolidate(tmp_path):
     """--pp_size 2 (ZeRO-2 inside, 2 micro-batches a step): the loss falls, the saved model
     reproduces the trained logits in a fresh process, a resume from checkpoint-3 continues with
@@ -203,18 +216,12 @@ def test_full_recipe_pipeline_stages_resume_exactly_and_consolidate(tmp_path):
         "--logging_steps", "1",
         "--learning_rate", "3e-3",
     ]  # fmt: skip
-    first, second = tmp_path / "first", tmp_path / "second"
-    _launch("finetune_full.py", *flags, "--output_dir", str(first))
+    first, second = _run_then_resume("finetune_full.py", flags, tmp_path)
     assert (first / "checkpoint-3" / "zero" / "stage_pp01_tp00.safetensors").is_file()
     losses = _losses(first)
     assert losses[6] < losses[1]
     fresh = _saved_model_probe(first)
     torch.testing.assert_close(fresh, torch.load(first / "probe_logits.pt"), rtol=1e-5, atol=1e-5)
-    _launch(
-        "finetune_full.py", *flags,
-        "--output_dir", str(second),
-        "--resume_from_checkpoint", str(first / "checkpoint-3"),
-    )  # fmt: skip
     resumed = _losses(second)
     assert [resumed[s] for s in (4, 5, 6)] == [losses[s] for s in (4, 5, 6)]
     from hf_zero.cli import main as hf_zero_cli
@@ -235,15 +242,8 @@ def test_trainer_resume_continues_exactly(tmp_path):
         "--logging_steps", "1",
         "--learning_rate", "1e-2",
     ]  # fmt: skip
-    first, second = tmp_path / "first", tmp_path / "second"
-    _launch("finetune_lora.py", *flags, "--output_dir", str(first))
+    first, second = _run_then_resume("finetune_lora.py", flags, tmp_path)
     assert (first / "checkpoint-3" / "zero" / "zero_rank00001.safetensors").is_file()
-    _launch(
-        "finetune_lora.py",
-        *flags,
-        "--output_dir", str(second),
-        "--resume_from_checkpoint", str(first / "checkpoint-3"),
-    )  # fmt: skip
     # The engine checkpoint consolidates to the same adapter the Trainer saved (fp32 run).
     from hf_zero.cli import main as hf_zero_cli
 

@@ -4,8 +4,10 @@
 rank, ``OMP_NUM_THREADS=1``), builds a LLaMA-style model from config (stage 3 inside
 `hf_zero.partitioned_init()`), calls `initialize()` and trains 2 steps, reading ``VmRSS`` /
 ``VmHWM`` from ``/proc/self/status``. Here at 110M parameters (hidden 768, 12 layers, vocabulary
-32000), the issue's "at least 100M": four configurations take about 40 s on the 2-core CI machine
-(docs/BENCHMARKS.md has the table for every configuration, from the same script).
+32000), the issue's "at least 100M", with 4 tokens per step (activations are not what this
+measures, and bf16 matmuls are slow on CPUs without bf16 instructions): four configurations take
+about 80 s on the 2-core CI machine (docs/BENCHMARKS.md has the table for every configuration,
+from the same script).
 
 Asserted: the RSS growth from before the model is built, at the model-state peak (after the
 second step's backward, before its optimizer step) and between steps (after it), is within 15% of
@@ -46,7 +48,7 @@ CONFIGS = ["stage 1 bf16", "stage 2 bf16", "stage 3 bf16", "stage 3 bf16 offload
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_rss_growth_matches_the_estimate(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--out", str(tmp_path)]
-    cmd += ["--hidden", "768", "--layers", "12", "--only", *CONFIGS]
+    cmd += ["--hidden", "768", "--layers", "12", "--seq_len", "4", "--only", *CONFIGS]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

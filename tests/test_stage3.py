@@ -256,9 +256,24 @@ def _divergent() -> None:
     engine(x, use_branch=dist.get_rank() == 0).backward()
 
 
-def test_rank_dependent_control_flow_raises_instead_of_hanging():
+def _divergent_later() -> None:
+    """Same paths in the first step (the trace is agreed, later checks are read lazily), then
+    rank 0 takes the branch in the third."""
+    torch.manual_seed(0)
+    model = Reuse()
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters()), stage=3, param_persistence_threshold=0
+    )
+    for step in range(3):
+        x = torch.randn(4, 16)
+        engine(x, use_branch=step == 2 and dist.get_rank() == 0).backward()
+        engine.step()
+
+
+@pytest.mark.parametrize("job", [_divergent, _divergent_later], ids=["first_step", "later_step"])
+def test_rank_dependent_control_flow_raises_instead_of_hanging(job):
     with pytest.raises(AssertionError) as failure:
-        run_distributed(_divergent, 2, timeout=60)
+        run_distributed(job, 2, timeout=60)
     message = str(failure.value)
     assert "ranks took different paths through the model" in message
     assert "rank 0: forward of branch" in message and "rank 1: forward of head" in message
@@ -342,13 +357,22 @@ def _prefetch(max_live: int) -> list[dict]:
 def test_prefetch_follows_the_first_steps_trace():
     for steps in run_distributed(_prefetch, 2, args=(10**9,)):
         # Step 1 records the order: everything is gathered on demand.
-        assert steps[0] == {"prefetch_hits": 0, "on_demand_gathers": 5}
+        # Order checks: 3 unit entries and the end in forward, 3 units in backward; all waited
+        # for at once while there is no agreed trace.
+        assert steps[0] == {
+            "prefetch_hits": 0, "on_demand_gathers": 5, "checks": 7, "checks_waited": 7
+        }  # fmt: skip
         # Later steps: both decoder layers arrive by prefetch in forward and in backward; only
-        # the root (first in forward, still gathered at the start of backward) is on demand.
+        # the root (first in forward, still gathered at the start of backward) is on demand,
+        # and its entry is the only check waited for at once (the others are read lazily).
         for later in steps[1:]:
-            assert later == {"prefetch_hits": 4, "on_demand_gathers": 1}, later
+            assert later == {
+                "prefetch_hits": 4, "on_demand_gathers": 1, "checks": 7, "checks_waited": 1
+            }, later  # fmt: skip
 
 
 def test_max_live_parameters_limits_prefetch():
     for steps in run_distributed(_prefetch, 2, args=(1,)):
         assert all(s["prefetch_hits"] == 0 for s in steps)
+        # Nothing is on its way when a layer is entered: those checks are waited for at once.
+        assert all(s["checks_waited"] >= 5 for s in steps), steps

@@ -141,6 +141,25 @@ def per_collective(cluster, args, port: int) -> dict[str, float]:
     return factors
 
 
+def combine_rounds(runs: list[dict]) -> dict:
+    """One row from ``--repeats`` launches of a mode: the median-step launch's numbers, plus
+    every launch's step time (``round_steps_s``)."""
+    ok = [r for r in runs if "error" not in r]
+    if len(ok) < len(runs):
+        return next(r for r in runs if "error" in r)
+    steps = [r["step_s"] for r in ok]
+    median = sorted(ok, key=lambda r: r["step_s"])[(len(ok) - 1) // 2]
+    return {**median, "step_s": statistics.median(steps), "round_steps_s": steps}
+
+
+def round_ratios(row: dict, base: dict) -> str:
+    """Per-round ratios to ZeRO-3 (same round, side by side): ``median [min-max]``."""
+    ratios = [a / b for a, b in zip(row.get("round_steps_s", []), base.get("round_steps_s", []))]
+    if len(ratios) < 2:
+        return ""
+    return f" (rounds: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}])"
+
+
 def print_table(rate: str, rows: dict[str, dict]) -> None:
     base = rows.get("zero3", {})
     print(f"\n### link {rate} each way, 2 nodes x 2 ranks\n")
@@ -154,6 +173,7 @@ def print_table(rate: str, rows: dict[str, dict]) -> None:
             print(f"| {LABELS[mode]} | did not run: {r['error']} | | | | | | |")
             continue
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if "step_s" in base else "-"
+        ratio += round_ratios(r, base)
         booked = r["booked_bytes_per_step"]
         agree = f"{r['link_bytes_per_step'] / booked:.3f}" if booked else "-"
         loss_vs = (
@@ -176,6 +196,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per launch")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="interleaved rounds of every mode; median step"
+    )
     parser.add_argument("--accelerate", action="store_true", help="also run ZeRO-3 via accelerate")
     parser.add_argument("--per_collective", action="store_true", help="link bytes per algorithm")
     parser.add_argument("--trace", action="store_true", help="count torch.distributed calls")
@@ -197,9 +220,13 @@ def main() -> None:
         for rate in args.rates.split(","):
             cluster.shape(None if rate == "none" else rate)
             rows = results.setdefault(rate, {})
-            for mode in args.modes.split(","):
-                port += 1
-                rows[mode] = run_one(cluster, mode, args, port)
+            rounds: dict[str, list[dict]] = {}
+            for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every mode
+                for mode in args.modes.split(","):
+                    port += 1
+                    rounds.setdefault(mode, []).append(run_one(cluster, mode, args, port))
+            for mode, runs in rounds.items():
+                rows[mode] = combine_rounds(runs)
             if args.accelerate and rate == "1gbit":
                 port += 1
                 rows["zero3_accelerate"] = run_one(cluster, "zero3", args, port, "accelerate")

@@ -132,6 +132,17 @@ class Collectives:
             return all_gather_single(output, input, group=group.pg, async_op=async_op)
         return self._exchange(lambda: exchange.all_gather(output, input, group, tag), async_op)
 
+    def all_gather_native(
+        self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
+    ):
+        """`all_gather` on the backend's own collective, never queued behind the exchange
+        worker: for small control messages that run while gathers are in flight."""
+        if group.size == 1:
+            output.copy_(input)
+            return None
+        self._book("all_gather", _nbytes(output), group)
+        return all_gather_single(output, input, group=group.pg, async_op=async_op)
+
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
     ):
