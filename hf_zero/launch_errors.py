@@ -1,8 +1,11 @@
 """A mistake in the arguments is one line, printed once, not a traceback from every rank.
 
 Every launched process parses the same arguments and so hits the same mistake. Rank 0 says it;
-the others exit with the same status silently. (The launcher, ``torchrun`` / ``accelerate
-launch``, then adds its own summary of the failed processes: that part is not ours to change.)
+the others exit with the same status silently, but only after giving rank 0 time to say it: the
+launcher stops every process as soon as one fails, and a silent rank that got there first had
+rank 0 killed before it printed anything (seen in CI). (The launcher, ``torchrun`` /
+``accelerate launch``, then adds its own summary of the failed processes: that part is not ours
+to change.)
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import io
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
@@ -31,9 +35,21 @@ def report(message: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+RANK_ZERO_GRACE_S = 30.0
+"""How long a silent rank waits for rank 0 to report the same mistake and end the launch."""
+
+
+def wait_for_rank_zero_report() -> None:
+    """On ranks other than 0 under a launcher: wait before exiting, so that rank 0 (which hits
+    the same mistake) reports it first; the launcher then stops this process."""
+    if not is_rank_zero():
+        time.sleep(RANK_ZERO_GRACE_S)
+
+
 def exit_with(message: str, status: int = USAGE_STATUS) -> NoReturn:
     """`report` the message, then exit every rank with ``status``."""
     report(message)
+    wait_for_rank_zero_report()
     sys.exit(status)
 
 
@@ -55,3 +71,7 @@ def parse_or_exit(parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             return parse(*args, **kwargs)
     except (ValueError, NotImplementedError) as error:
         exit_with(str(error))
+    except SystemExit as stop:  # argparse's usage errors (status 2); --help exits 0
+        if stop.code not in (0, None):
+            wait_for_rank_zero_report()
+        raise

@@ -37,7 +37,7 @@ import sys
 from typing import Any
 
 from hf_zero.config_sources import CLI_FLAGS
-from hf_zero.launch_errors import USAGE_STATUS, report
+from hf_zero.launch_errors import USAGE_STATUS, report, wait_for_rank_zero_report
 
 # --flag -> (ZeroConfig field, parser for its value)
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -176,8 +176,10 @@ def hf_zero_was_used() -> bool:
 
 
 def fail(message: str, status: int = USAGE_STATUS) -> int:
-    """Print ``error: message`` once (rank 0) and return ``status`` for ``sys.exit``."""
+    """Print ``error: message`` once (rank 0) and return ``status`` for ``sys.exit`` (other
+    ranks first give rank 0 time to print it: `wait_for_rank_zero_report`)."""
     report(message)
+    wait_for_rank_zero_report()
     return status
 
 

@@ -61,6 +61,14 @@ def test_recipe_mistakes_are_one_line_once(tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+def test_rank_zero_reports_even_when_another_rank_fails_first():
+    """The other ranks wait for rank 0 to report: the launcher stops every process once one
+    exits, and a CI run once lost the message when rank 1 exited before rank 0 had printed."""
+    done = _launch([str(ROOT / "tests/scripts/slow_rank0_usage_error.py"), "--zero_stage", "x"])
+    assert done.returncode != 0
+    assert done.stderr.count("invalid int value: 'x'") == 1, done.stderr[-4000:]
+
+
 @pytest.mark.parametrize("case", ["stage 5", "yaml syntax", "tp_size 3 on 2 processes"])
 def test_hf_zero_run_mistakes_are_one_line_once(tmp_path, case):
     args, message = CASES[case]
