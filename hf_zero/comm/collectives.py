@@ -127,9 +127,9 @@ class Collectives:
             return self._exchange(
                 lambda: hierarchical.all_gather(output, input, intra, inter, tags, held), async_op
             )
-        self._book("all_gather", _nbytes(output), group, exchanged=tag is not None)
         if tag is None:
-            return all_gather_single(output, input, group=group.pg, async_op=async_op)
+            return self.all_gather_native(output, input, group, async_op)
+        self._book("all_gather", _nbytes(output), group, exchanged=True)
         return self._exchange(lambda: exchange.all_gather(output, input, group, tag), async_op)
 
     def all_gather_native(
