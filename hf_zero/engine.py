@@ -23,6 +23,7 @@ from hf_zero.flat_group import FlatParamGroup
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
+from hf_zero.packed import disable_cpu_repacking, is_packed, packed_bytes, quant_state_tensors
 from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
@@ -96,6 +97,7 @@ class ZeroEngine:
         self.dtype = DTYPES[config.precision]
 
         model.to(self.device)
+        disable_cpu_repacking(model)
         self.tp: TensorParallel | None = None
         if self.topology.tp_size > 1:
             self._apply_tensor_parallel(optimizer)
@@ -241,8 +243,11 @@ class ZeroEngine:
     def _broadcast_module(self) -> None:
         """Start every data-parallel rank from rank 0's weights and buffers, as DDP does."""
         src = self.topology.dp.ranks[0]
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        # A bitsandbytes base: its scales too (bytes as they are; see hf_zero.packed).
+        tensors += [s for p in self.module.parameters() for s in quant_state_tensors(p).values()]
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            for t in tensors:
                 self.comm.broadcast(t.data, src, self.topology.dp)
 
     def _tp_split(self, param: torch.Tensor) -> bool:
@@ -251,6 +256,8 @@ class ZeroEngine:
     def _cast_other_params(self) -> None:
         """Cast parameters outside the buckets (frozen ones) to the compute dtype."""
         for p in self.module.parameters():
+            if is_packed(p):
+                continue  # packed codes, not values
             if id(p) not in self._grouped and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
 
@@ -394,7 +401,10 @@ class ZeroEngine:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
         for p in self.module.parameters():
-            if id(p) not in self._grouped:
+            if is_packed(p):  # a bitsandbytes base: codes (whole or this rank's) and scales
+                held = 0 if id(p) in self._grouped else p.numel() * p.element_size()
+                report["quantized_params"] += held + packed_bytes(p) - p.numel() * p.element_size()
+            elif id(p) not in self._grouped:
                 report["params"] += p.numel() * p.element_size()
                 if p.grad is not None:
                     report["grads"] += p.grad.numel() * p.grad.element_size()
@@ -435,7 +445,7 @@ class ZeroEngine:
                 if keep or tp is not None:
                     for slot, p in zip(group.layout.slots, group.params):
                         source = p if full32 is None else full32[slot.offset : slot.end]
-                        values[id(p)] = whole(p, source.detach().view(slot.shape))
+                        values[id(p)] = whole(p, source.detach().view(p.shape))
         if not keep and tp is None:
             return {}
         names = dict(self.module.named_parameters(remove_duplicate=False))

@@ -24,7 +24,9 @@ In fp32 without offload the master is not a copy: it is this rank's region of ``
 (`hf_zero.grad_store.GradStore`).
 
 A stage-3 group may be frozen (``trainable=False``): it is sharded and gathered like any other
-but has no master weights and no gradients.
+but has no master weights and no gradients. A frozen group of bitsandbytes parameters
+(``packed=True``, `hf_zero.packed`) holds their bytes as ``uint8``: sharded, gathered and stored
+in any tier as they are, never cast, quantized or reduced.
 
 With ``offload=True`` (ZeRO-Offload, stages 1-3) the master shard, its gradient and the optimizer
 state live in host memory: reduced gradient shards are copied device-to-host, the optimizer steps
@@ -54,6 +56,7 @@ from hf_zero.comm import Collectives, ZeroPPSettings
 from hf_zero.grad_intake import BucketGrads, FlatGrads
 from hf_zero.grad_store import GradStore, start_copy
 from hf_zero.memory import group_held_bytes
+from hf_zero.packed import PackedViews
 from hf_zero.partition import FlatLayout
 from hf_zero.swap import SwapSpace
 from hf_zero.tiers import PARAM_TIERS, QuantizedTier, Tier
@@ -84,6 +87,7 @@ class FlatParamGroup:
         param_tier: str = "none",
         param_swap: SwapSpace | None = None,
         optimizer_swap: SwapSpace | None = None,
+        packed: bool = False,
     ) -> None:
         self.index = index
         self.zeropp = zpp = zeropp or ZeroPPSettings()
@@ -101,19 +105,27 @@ class FlatParamGroup:
         self.comm_rank = rank
         num_shards = shard_group.size if stage >= 1 else 1
         self.shard_index = shard_group.rank_of(rank) if stage >= 1 else 0
-        self.layout = FlatLayout(names, [p.shape for p in params], num_shards)
         self.device = params[0].device
-
-        # fp32 master weights come from the parameters' original values, before any cast to
-        # 16 bits, so mixed precision loses nothing at initialisation.
-        full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        for slot, p in zip(self.layout.slots, params):
-            full32[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+        # bitsandbytes parameters (frozen, stage 3): their bytes, sharded as uint8, never cast.
+        self.packed = PackedViews(params) if packed else None
+        shapes = self.packed.byte_shapes() if packed else [p.shape for p in params]
+        self.layout = FlatLayout(names, shapes, num_shards)
+        if packed:
+            self.dtype = dtype = torch.uint8
+            full32 = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
+            self.packed.fill(full32, self.layout.slots, params)
+        else:
+            # fp32 master weights come from the parameters' original values, before any cast
+            # to 16 bits, so mixed precision loses nothing at initialisation.
+            full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            for slot, p in zip(self.layout.slots, params):
+                full32[slot.offset : slot.end].copy_(p.detach().reshape(-1))
         start, end = self.layout.shard_range(self.shard_index)
         fp32 = dtype == torch.float32
         self.flat_param: torch.Tensor | None = None
         self.tier: Tier | None = None  # stage 3: where the shard lives between gathers
-        if stage == 3 and not self.trainable and zpp.quantized_nontrainable_weights:
+        mixz = zpp.quantized_nontrainable_weights and not packed  # bnb bytes stay as they are
+        if stage == 3 and not self.trainable and mixz:
             self.tier = QuantizedTier(full32[start:end], self.device, zpp)
         elif stage == 3:
             self.tier = PARAM_TIERS[param_tier](
@@ -156,7 +168,8 @@ class FlatParamGroup:
         self._gather_work = None
         self._gathering_with = None  # the codec of the gather in flight
         if stage == 3:
-            permanent = self.tier.permanent
+            # Packed bytes are never re-quantized by qwZ; hpZ may keep copies of them.
+            permanent = self.tier.permanent or packed
             self.gather_codec = gather_codec(comm, zpp, shard_group, rank, permanent)
             # A MixZ++ group has nothing but its quantized shard: every gather is "exact" for it.
             exact = ExactGather(comm, shard_group, zpp)
@@ -243,10 +256,16 @@ class FlatParamGroup:
         self._release_views()
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
+        if self.packed is not None:
+            self.packed.point(flat, self.layout.slots, self.params)
+            return
         for slot, p in zip(self.layout.slots, self.params):
             p.data = flat[slot.offset : slot.end].view(slot.shape)
 
     def _release_views(self) -> None:
+        if self.packed is not None:
+            self.packed.release(self.params, self.device)
+            return
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty

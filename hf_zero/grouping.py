@@ -17,6 +17,7 @@ import torch
 from hf_zero.comm import Collectives, ZeroPPSettings
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.packed import is_int8_linear, is_packed, prepare_int8_module
 from hf_zero.partition import bucket_params
 from hf_zero.partitioned_init import unshard
 from hf_zero.precision import dtype_of
@@ -126,7 +127,9 @@ class GroupBuilder:
         trainable = [p for p in ordered if p.requires_grad and id(p) in group_of]
         reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
 
-        def make(pg_index: int | None, params: list, stage: int) -> FlatParamGroup:
+        def make(
+            pg_index: int | None, params: list, stage: int, packed: bool = False
+        ) -> FlatParamGroup:
             group = FlatParamGroup(
                 index=0,
                 param_group_index=pg_index,
@@ -145,6 +148,7 @@ class GroupBuilder:
                 optimizer_swap=self.swaps.get("offload_optimizer")
                 if pg_index is not None
                 else None,
+                packed=packed,
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()
@@ -198,17 +202,22 @@ class GroupBuilder:
         owner = assign_params_to_units(self.module, [m for _, m in found])
         self.units = [Unit(i, name, m, is_root=i == 0) for i, (name, m) in enumerate(found)]
         members: dict[int, dict[int | None, list]] = {}
+        for module in self.module.modules():
+            if is_int8_linear(module):
+                prepare_int8_module(module)  # before its bytes move into a group
         for p in ordered:
             if true_numel(p) < threshold:
                 continue  # stays whole on every rank
             pg = group_of.get(id(p)) if p.requires_grad else None
-            key = (pg, self.tp_split(p))
+            # bitsandbytes bytes get groups of their own, one per storage dtype.
+            packed = p.dtype if is_packed(p) else None
+            key = (pg, self.tp_split(p), packed)
             members.setdefault(owner[id(p)], {}).setdefault(key, []).append(p)
         groups = []
         for unit in self.units:
             unshard(unit.module, self.comm, self.topology.dp)  # whole while regrouped
-            for (pg, _), params in members.get(unit.index, {}).items():
-                group = make(pg, params, 3)
+            for (pg, _, packed), params in members.get(unit.index, {}).items():
+                group = make(pg, params, 3, packed=packed is not None)
                 unit.groups.append(group)
                 (groups if pg is not None else self.frozen_groups).append(group)
         return groups

@@ -119,6 +119,8 @@ def group_held_bytes(group) -> dict[str, int]:
             kinds = {"grads": grads, "host_grads": master_grad, "host_master_weights": master_bytes}
         else:
             kinds = {"grads": grads + master_grad, "master_weights": master_bytes}
+    if getattr(group, "packed", None) is not None:  # bitsandbytes codes: counted apart
+        return {**extra, **tier, "params": 0, "quantized_params": params, **kinds}
     return {**extra, **tier, "params": params, **kinds}
 
 

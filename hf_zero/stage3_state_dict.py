@@ -66,9 +66,10 @@ def mark_whole_shapes(groups: list[FlatParamGroup]) -> None:
     """
     for group in groups:
         if group.stage == 3:
-            for slot, p in zip(group.layout.slots, group.params):
-                p.ds_numel = slot.numel
-                p.ds_shape = slot.shape
+            shapes = group.packed.shapes if group.packed is not None else None
+            for i, (slot, p) in enumerate(zip(group.layout.slots, group.params)):
+                p.ds_shape = torch.Size(shapes[i]) if shapes else slot.shape
+                p.ds_numel = p.ds_shape.numel()
 
 
 class StateDictHooks:

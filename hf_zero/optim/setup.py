@@ -9,6 +9,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.optim.deepspeed_optimizer import build_optimizer
 from hf_zero.optim.deepspeed_schedules import scheduler_from_config
 from hf_zero.optim.sharded import check_elementwise
+from hf_zero.packed import check_packed
 
 
 def optimizer_and_scheduler(
@@ -27,6 +28,7 @@ def optimizer_and_scheduler(
             [p for p in model.parameters() if p.requires_grad], config.optimizer
         )
     check_elementwise(optimizer, config.allow_untested_optimizer)
+    check_packed(model, optimizer, config)
     if lr_scheduler is None and config.scheduler is not None:
         lr_scheduler = scheduler_from_config(optimizer, config)
     return optimizer, lr_scheduler

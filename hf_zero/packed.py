@@ -1,0 +1,183 @@
+"""bitsandbytes quantized parameters (QLoRA bases) as bytes, never as numbers.
+
+A ``Params4bit`` holds packed 4-bit codes in whatever ``quant_storage`` dtype the model was
+loaded with (``uint8`` by default, ``bfloat16`` for ZeRO-3/FSDP recipes), and an ``Int8Params``
+holds LLM.int8 codes; the scales that make them weights (``quant_state.absmax``, ``SCB``) sit
+beside them. None of their elements is a value: a float cast rewrites codes whose bit patterns
+read as NaN, an fp32 buffer changes their sizes, and a quantizer treats them as weights. So the
+engine moves them as raw bytes on every path (flat buffers, gathers, tiers), never casts,
+reduces, clips or NaN-checks them, and leaves their quantization state with the parameter.
+
+Nothing here imports bitsandbytes: a model without it never pays for it, and the checks are on
+the parameter classes bitsandbytes defines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACKED_CLASSES = ("Params4bit", "Int8Params")
+
+
+def is_packed(param: torch.Tensor) -> bool:
+    """True for a bitsandbytes quantized parameter (``Params4bit``, ``Int8Params``)."""
+    cls = type(param)
+    return cls.__name__ in PACKED_CLASSES and cls.__module__.startswith("bitsandbytes")
+
+
+def is_int8_linear(module: torch.nn.Module) -> bool:
+    """True for bitsandbytes' own ``Linear8bitLt`` (not PEFT's wrapper of the same name)."""
+    cls = type(module)
+    weight = getattr(module, "weight", None)
+    return (
+        cls.__module__.startswith("bitsandbytes")
+        and is_packed(weight)
+        and type(weight).__name__ == "Int8Params"
+    )
+
+
+def quant_state_tensors(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors that turn a packed parameter's codes into weights, by name (for the
+    start-up broadcast and `memory_report`): absmax and code (with the nested statistics'
+    own) of a ``Params4bit``, the row scales ``SCB`` of an ``Int8Params``."""
+    out: dict[str, torch.Tensor] = {}
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        for key in ("absmax", "code", "offset"):
+            value = getattr(state, key, None)
+            if torch.is_tensor(value):
+                out[key] = value
+        nested = getattr(state, "state2", None)
+        if nested is not None:
+            for key in ("absmax", "code"):
+                value = getattr(nested, key, None)
+                if torch.is_tensor(value):
+                    out[f"state2.{key}"] = value
+    scb = getattr(param, "SCB", None)
+    if torch.is_tensor(scb):
+        out["SCB"] = scb
+    module = getattr(param, "_hf_zero_int8_module", None)
+    if module is not None and torch.is_tensor(getattr(module.state, "SCB", None)):
+        out.setdefault("SCB", module.state.SCB)
+    return out
+
+
+def packed_bytes(param: torch.Tensor) -> int:
+    """Bytes of a packed parameter's codes and quantization state on this rank."""
+    return param.numel() * param.element_size() + sum(
+        t.numel() * t.element_size() for t in quant_state_tensors(param).values()
+    )
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` view of ``tensor``'s bytes (no copy, no cast)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class PackedViews:
+    """How a group of packed parameters lies in a ``uint8`` flat buffer.
+
+    Each parameter takes ``numel * element_size`` bytes; a gathered buffer is viewed back in
+    the parameter's own dtype and shape. Groups hold parameters of one dtype, so every slot
+    starts at a multiple of its element size and the views need no copy.
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.dtypes = [p.dtype for p in params]
+        self.shapes = [tuple(p.shape) for p in params]
+
+    def byte_shapes(self) -> list[tuple[int]]:
+        """The layout's shapes: one flat run of bytes per parameter."""
+        return [
+            (torch.Size(s).numel() * torch.empty(0, dtype=d).element_size(),)
+            for d, s in zip(self.dtypes, self.shapes)
+        ]
+
+    def fill(self, full: torch.Tensor, slots, params: list[torch.Tensor]) -> None:
+        """Copy each parameter's bytes into its slot of ``full`` (``uint8``)."""
+        for slot, p in zip(slots, params):
+            full[slot.offset : slot.end].copy_(as_bytes(p))
+
+    def point(self, flat: torch.Tensor, slots, params: list[torch.Tensor]) -> None:
+        """Make each parameter a view of its bytes in the gathered ``flat`` buffer."""
+        for slot, p, dtype, shape in zip(slots, params, self.dtypes, self.shapes):
+            p.data = flat[slot.offset : slot.end].view(dtype).view(shape)
+            _bind_int8_state(p)
+
+    def release(self, params: list[torch.Tensor], device: torch.device) -> None:
+        """Leave each parameter empty (its bytes live in the shards)."""
+        for p, dtype, shape in zip(params, self.dtypes, self.shapes):
+            p.data = torch.empty((0, *shape[1:]), dtype=dtype, device=device)
+            _bind_int8_state(p)
+
+
+def prepare_int8_module(module: torch.nn.Module) -> None:
+    """Let a sharded ``Linear8bitLt`` compute from whatever its weight points at.
+
+    bitsandbytes keeps a second reference to the whole INT8 matrix (``weight.CB``, then
+    ``module.state.CB``) and computes from that: under stage 3 it would keep every rank holding
+    the whole matrix, and go on computing from stale bytes. The engine drops it and points
+    ``state.CB`` at the weight's current data at every gather and release (an empty matrix
+    between gathers, so a use while released fails loudly instead of re-quantizing codes).
+    """
+    weight = module.weight
+    if weight.SCB is not None:  # not yet moved into module.state by a first forward
+        module.state.SCB = weight.SCB
+        weight.SCB = None
+    weight.CB = None
+    module.state.CB = weight.data
+    weight._hf_zero_int8_module = module
+
+
+def _bind_int8_state(param: torch.Tensor) -> None:
+    module = getattr(param, "_hf_zero_int8_module", None)
+    if module is not None:
+        module.state.CB = param.data
+
+
+def disable_cpu_repacking(model: torch.nn.Module) -> int:
+    """Switch off bitsandbytes' in-place CPU inference repacking on every ``Linear4bit``.
+
+    On CPUs with AVX512-BF16, a ``Linear4bit`` forward in eval mode without gradients rewrites
+    ``weight.data`` into another packed layout and flags its ``quant_state``; gradients through
+    the base computed afterwards are wrong, and a sharded weight would be rewritten in a gathered
+    buffer the shards never see. A weight already repacked (an evaluation before the engine
+    took the model) is converted back. Returns how many modules were switched off.
+    """
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        state = getattr(module.weight, "quant_state", None)
+        if getattr(state, "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
+                module.weight.data, state
+            )
+        count += 1
+    return count
+
+
+def check_packed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config) -> None:
+    """Refuse, before any process-group work, what cannot run on bitsandbytes parameters."""
+    packed = [(n, p) for n, p in model.named_parameters() if is_packed(p)]
+    if not packed:
+        return
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, p in packed:
+        if p.requires_grad or id(p) in in_optimizer:
+            raise ValueError(
+                f"hf_zero: '{name}' is a bitsandbytes {type(p).__name__} (packed quantized codes, "
+                "not values) and is trainable or in the optimizer; freeze it and train adapters "
+                "on it (PEFT LoRA does: get_peft_model(model, LoraConfig(...)))"
+            )
+    where = {"tp_size": config.tp_size, "pp_size": config.pp_size}
+    for key, value in where.items():
+        if value > 1:
+            raise NotImplementedError(
+                f"hf_zero: '{key}' = {value} with a bitsandbytes quantized base "
+                f"('{packed[0][0]}'): slicing packed 4-/8-bit codes across ranks is not "
+                f"implemented; use '{key}': 1 with ZeRO stages 0-3 (data parallel) for QLoRA"
+            )

@@ -1,0 +1,277 @@
+"""QLoRA: bitsandbytes 4-bit (NF4/FP4) and LLM.int8 bases under every ZeRO stage.
+
+The quantized base weights are packed codes, not values: every path must move them as bytes.
+What is checked, each against something computed in the same run:
+
+* Bytes: after a training step, every quantized weight gathered on every rank (and what
+  ``model.state_dict()`` and ``engine.full_state_dict()`` give, quantization state included) is
+  bitwise equal to a fresh load of the same checkpoint, at stages 0-3 and with the stage-3
+  shards on the device, in host memory and in NVMe swap files.
+* Parity: fp32 adapters over a 4-bit base, 2 ranks at stages 0-3 against torch DDP over the
+  same model and batches: losses and adapters to 1e-5 (the base computes in bf16 inside
+  bitsandbytes whatever the engine does; the rest is the fp32 summation-order noise of the
+  other parity tests, measured at < 1e-6 here). bf16: every stage's step-0 loss is identical,
+  and stage 3's 3-step losses equal stage 2's exactly (same kernels on the same values).
+* bitsandbytes' CPU inference repacking (AVX512-BF16 CPUs) cannot corrupt training: adapter
+  gradients after an evaluation equal a fresh model's.
+
+The test model's sizes are multiples of 64 (bitsandbytes blocks) and of 32 (the CPU repacking).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from hf_zero.testing import run_distributed
+from hf_zero.tiny import tiny_llama, token_batches
+
+pytest.importorskip("bitsandbytes")
+
+QLORA_MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+QUANTS = {
+    "nf4-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", storage="bfloat16"),
+    "fp4-uint8": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", storage="uint8"),
+    "nf4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", storage="bfloat16", double=True
+    ),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qlora") / "base"
+    tiny_llama(0, initializer_range=0.2, **QLORA_MODEL).save_pretrained(path)
+    return str(path)
+
+
+def load_quantized(path: str, quant: str, dtype=torch.bfloat16, lora: bool = True):
+    """``from_pretrained`` with a ``BitsAndBytesConfig`` (as the PEFT docs show), then LoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    spec = dict(QUANTS[quant])
+    storage = getattr(torch, spec.pop("storage", "uint8"))
+    double = spec.pop("double", False)
+    if spec.get("load_in_4bit"):
+        spec.update(
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=storage,
+            bnb_4bit_use_double_quant=double,
+        )
+    config = BitsAndBytesConfig(**spec)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype)
+    if not lora:
+        return model
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    return model.train()  # as the Trainer does (from_pretrained leaves eval mode)
+
+
+def quantized_bytes(model) -> dict[str, torch.Tensor]:
+    """Every entry of the state dict of each quantized module (codes and quantization state),
+    as raw bytes."""
+    from hf_zero.packed import is_packed
+
+    out = {}
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")  # bnb's own layer, not PEFT's wrapper
+        if weight is None or not is_packed(weight):
+            continue
+        for key, value in state.items():
+            if key.startswith(name + ".") and torch.is_tensor(value):
+                out[key] = value.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+    return out
+
+
+def _engine(model, stage: int, precision: str = "bf16", lr: float = 1e-3, **cfg):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return hf_zero.initialize(
+        model,
+        torch.optim.AdamW(trainable, lr=lr),
+        stage=stage,
+        precision=precision,
+        param_persistence_threshold=0,
+        **cfg,
+    )
+
+
+def _train(engine, steps: int, same_batch: bool = False) -> list[float]:
+    batches = token_batches(32, 2, dist.get_rank(), dist.get_world_size(), seed=3)
+    losses = []
+    x = next(batches)
+    for step in range(steps):
+        if step and not same_batch:
+            x = next(batches)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# --- bytes --------------------------------------------------------------------------------------
+def _bytes_survive(path: str, quant: str, cases: list[tuple[int, dict]], nvme_dir: str) -> list:
+    fresh = quantized_bytes(load_quantized(path, quant))
+    out = []
+    for stage, cfg in cases:
+        if cfg.get("offload_param") == "nvme":
+            cfg = {**cfg, "nvme_path": nvme_dir}
+        model = load_quantized(path, quant)
+        engine = _engine(model, stage, **cfg)
+        _train(engine, 2)
+        sd = quantized_bytes(model)  # collective under stage 3 (every rank calls it)
+        full = engine.full_state_dict(rank0_only=False)
+        full = {k: v.contiguous().reshape(-1).view(torch.uint8) for k, v in full.items()}
+        differing = [k for k in fresh if not torch.equal(sd.get(k, torch.empty(0)), fresh[k])]
+        differing += [
+            f"full:{k}" for k in fresh if not torch.equal(full.get(k, torch.empty(0)), fresh[k])
+        ]
+        report = engine.memory_report()
+        engine.close()
+        out.append((stage, cfg.get("offload_param"), len(fresh), differing, report))
+    return out
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+def test_quantized_weights_move_as_bytes_at_every_stage_and_tier(base_dir, quant, tmp_path):
+    cases = [(0, {}), (1, {}), (2, {}), (3, {}), (3, {"offload_param": "cpu"})]
+    cases += [(3, {"offload_param": "nvme"}), (3, {"quantized_nontrainable_weights": True})]
+    for rank_out in run_distributed(
+        _bytes_survive, 2, args=(base_dir, quant, cases, str(tmp_path)), timeout=400
+    ):
+        for stage, tier, checked, differing, report in rank_out:
+            assert checked >= 14, (stage, tier, checked)  # 7 linears x 2 layers, + state
+            assert differing == [], (stage, tier, differing[:5])
+            assert report["quantized_params"] > 0, (stage, tier, report)
+
+
+# --- what each rank holds -----------------------------------------------------------------------
+def _held(path: str, quant: str) -> dict:
+    from hf_zero.packed import is_packed, packed_bytes
+
+    model = load_quantized(path, quant)
+    codes = sum(p.numel() * p.element_size() for p in model.parameters() if is_packed(p))
+    whole = sum(packed_bytes(p) for p in model.parameters() if is_packed(p))
+    engine = _engine(model, 3)
+    _train(engine, 1)
+    frozen = [g for g in engine.frozen_groups if g.packed is not None]
+    return {
+        "codes": codes,
+        "state": whole - codes,
+        "padded": sum(g.numel for g in frozen),
+        "report": engine.memory_report(),
+        "dtypes": sorted({str(g.dtype) for g in frozen}),
+    }
+
+
+@pytest.mark.parametrize("quant", ["nf4-bf16", "int8"])
+def test_stage3_shards_the_quantized_codes(base_dir, quant):
+    for r in run_distributed(_held, 2, args=(base_dir, quant)):
+        assert r["dtypes"] == ["torch.uint8"]
+        assert r["codes"] <= r["padded"] < r["codes"] + 2 * 64 * 14  # padding per group
+        # This rank's half of the codes, plus the quantization state every rank keeps whole.
+        assert r["report"]["quantized_params"] == r["padded"] // 2 + r["state"], r
+
+
+# --- parity -------------------------------------------------------------------------------------
+def _fp32_parity(path: str, stages: list[int]) -> dict:
+    """fp32 adapters and fp32 unquantized weights over an NF4 base: DDP, then each stage."""
+    steps = 3
+    model = load_quantized(path, "nf4-bf16", dtype=torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    batches = token_batches(32, 2, dist.get_rank(), dist.get_world_size(), seed=3)
+    ref_losses = []
+    for _ in range(steps):
+        x = next(batches)
+        loss = ddp(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    out = {}
+    for stage in stages:
+        model = load_quantized(path, "nf4-bf16", dtype=torch.float32)
+        engine = _engine(model, stage, precision="fp32")
+        losses = _train(engine, steps)
+        with hf_zero.gathered_parameters(model.parameters()):
+            got = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        out[stage] = (
+            max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            max((got[n] - ref[n]).abs().max().item() for n in ref),
+            max(ref[n].abs().max().item() for n in ref if "lora_B" in n),
+        )
+    return out
+
+
+def test_fp32_adapters_over_nf4_base_match_ddp_at_every_stage(base_dir):
+    for r in run_distributed(_fp32_parity, 2, args=(base_dir, [0, 1, 2, 3])):
+        for stage, (loss_diff, param_diff, lora_b) in r.items():
+            assert lora_b > 1e-3, "the adapters did not train"
+            assert loss_diff < 1e-5, (stage, loss_diff)
+            assert param_diff < 1e-5, (stage, param_diff)
+
+
+def _bf16_losses(path: str, quant: str, stages: list[int]) -> dict:
+    return {s: _train(_engine(load_quantized(path, quant), s, lr=1e-2), 3, True) for s in stages}
+
+
+@pytest.mark.parametrize("quant", ["nf4-bf16", "fp4-uint8", "int8"])
+def test_bf16_losses_identical_across_stages(base_dir, quant):
+    for r in run_distributed(_bf16_losses, 2, args=(base_dir, quant, [0, 1, 2, 3])):
+        assert len({r[s][0] for s in r}) == 1, r  # step 0: the same forward everywhere
+        assert r[3] == r[2], r  # stage 3 gathers exactly what stage 2 keeps whole
+        assert r[3][-1] < r[3][0], r
+
+
+# --- bitsandbytes' CPU inference repacking ------------------------------------------------------
+def _grads_after_eval(path: str, evaluate: bool) -> dict:
+    out = {}
+    for stage in (0, 3):
+        model = load_quantized(path, "nf4-bf16")
+        engine = _engine(model, stage)
+        x = next(token_batches(32, 2, dist.get_rank(), dist.get_world_size(), seed=5))
+        if evaluate:  # what a Trainer evaluation does
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=x, labels=x)
+        model.train()
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        if stage == 0:  # gradients are views of the all-reduced buffer
+            out["grads"] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+        out[stage] = float(engine.clip_grad_norm_(1e9))
+        out[f"repacked{stage}"] = _repacked(model)
+    return out
+
+
+def _repacked(model) -> int:
+    return sum(
+        bool(getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False))
+        for m in model.modules()
+        if hasattr(m, "support_avx512bf16_for_cpu")
+    )
+
+
+def test_evaluation_cannot_repack_the_base_and_break_gradients(base_dir):
+    fresh = run_distributed(_grads_after_eval, 2, args=(base_dir, False))
+    evaluated = run_distributed(_grads_after_eval, 2, args=(base_dir, True))
+    for a, b in zip(fresh, evaluated):
+        assert b["repacked0"] == b["repacked3"] == 0
+        assert a[0] == b[0] > 0 and a[3] == b[3] > 0, (a[0], b[0], a[3], b[3])
+        assert len(a["grads"]) == 28  # lora_A and lora_B of 7 linears x 2 layers
+        for name, grad in a["grads"].items():
+            assert torch.equal(grad, b["grads"][name]), name
