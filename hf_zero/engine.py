@@ -21,9 +21,10 @@ from hf_zero.comm import Collectives, CommStats
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
+from hf_zero.memory import loose_param_bytes
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
-from hf_zero.packed import disable_cpu_repacking, is_packed, packed_bytes, quant_state_tensors
+from hf_zero.packed import disable_cpu_repacking, is_packed, quant_state_tensors
 from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
@@ -400,14 +401,8 @@ class ZeroEngine:
         for group in self.groups + self.frozen_groups:
             for kind, nbytes in group.held_bytes().items():
                 report[kind] += nbytes
-        for p in self.module.parameters():
-            if is_packed(p):  # a bitsandbytes base: codes (whole or this rank's) and scales
-                held = 0 if id(p) in self._grouped else p.numel() * p.element_size()
-                report["quantized_params"] += held + packed_bytes(p) - p.numel() * p.element_size()
-            elif id(p) not in self._grouped:
-                report["params"] += p.numel() * p.element_size()
-                if p.grad is not None:
-                    report["grads"] += p.grad.numel() * p.grad.element_size()
+        for kind, nbytes in loose_param_bytes(self.module, self._grouped).items():
+            report[kind] += nbytes
         where = "host_optimizer_states" if self.optimizer.offload else "optimizer_states"
         report[where] = self.optimizer.state_bytes()
         report["total"] = sum(report[k] for k in device_kinds)

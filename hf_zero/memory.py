@@ -124,6 +124,23 @@ def group_held_bytes(group) -> dict[str, int]:
     return {**extra, **tier, "params": params, **kinds}
 
 
+def loose_param_bytes(model, grouped: set[int]) -> dict[str, int]:
+    """Bytes of the parameters outside any group (frozen ones under stages 0-2, those below
+    the persistence threshold) and their gradients, plus every bitsandbytes parameter's
+    quantization state (kept whole on every rank) as ``quantized_params``."""
+    from hf_zero.packed import is_packed, packed_bytes
+
+    out = {"params": 0, "grads": 0, "quantized_params": 0}
+    for p in model.parameters():
+        own = _nbytes(p)
+        if is_packed(p):  # codes (whole unless a group holds them) and scales
+            out["quantized_params"] += packed_bytes(p) - own + (0 if id(p) in grouped else own)
+        elif id(p) not in grouped:
+            out["params"] += own
+            out["grads"] += _nbytes(p.grad)
+    return out
+
+
 def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 

@@ -139,22 +139,24 @@ def disable_cpu_repacking(model: torch.nn.Module) -> int:
     """Switch off bitsandbytes' in-place CPU inference repacking on every ``Linear4bit``.
 
     On CPUs with AVX512-BF16, a ``Linear4bit`` forward in eval mode without gradients rewrites
-    ``weight.data`` into another packed layout and flags its ``quant_state``; gradients through
-    the base computed afterwards are wrong, and a sharded weight would be rewritten in a gathered
-    buffer the shards never see. A weight already repacked (an evaluation before the engine
-    took the model) is converted back. Returns how many modules were switched off.
+    ``weight.data`` into another packed layout and rounds ``quant_state.absmax`` to bf16, in
+    place; gradients through the base computed afterwards are wrong, and a sharded weight would
+    be rewritten in a gathered buffer the shards never see. Returns how many modules were
+    switched off. A weight that was repacked already cannot be restored (its scales were
+    rounded): ``ValueError`` says to load the model again.
     """
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not hasattr(module, "support_avx512bf16_for_cpu"):
             continue
         module.support_avx512bf16_for_cpu = False
         state = getattr(module.weight, "quant_state", None)
         if getattr(state, "packing_format_for_cpu", False):
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
-                module.weight.data, state
+            raise ValueError(
+                f"hf_zero: '{name}' was repacked by bitsandbytes' CPU inference kernel (an "
+                "eval-mode forward without gradients ran before hf_zero took the model), which "
+                "rounds its quantization scales to bf16 in place and cannot be undone; load the "
+                "model again and hand it to hf_zero (or the Trainer) before evaluating it"
             )
         count += 1
     return count

@@ -18,6 +18,12 @@ Under ZeRO-3 the frozen base weights are stored as INT8 shards (MixZ++) unless y
 1/N byte per parameter per rank instead of 2. ``--merged_output_dir DIR`` also writes the base
 with the adapter merged in (a plain model for ``from_pretrained``; under MixZ++ the base part is
 the dequantized INT8 weights the adapter was trained against).
+
+QLoRA: ``--quantization nf4`` (or ``fp4``, ``int8``) loads the base through bitsandbytes (as
+``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))``); its codes are sharded
+and gathered as bytes at every stage, and MixZ++ is not switched on by default (the base is quantized already; its embeddings and
+norms stay as loaded). The adapter reloads
+on a base loaded with the same ``BitsAndBytesConfig``; a merged export dequantizes the base.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from recipe_utils import (
     check_model_source,
     load_model_and_tokenizer,
+    load_quantized_base,
     make_lm_dataset,
     save_embedded_base,
     train_and_save,
@@ -58,6 +65,15 @@ class LoraArguments:
         default=True,
         metadata={"help": "ZeRO-3: keep the frozen base as INT8 shards (MixZ++) by default"},
     )
+    quantization: str = field(
+        default="none",
+        metadata={
+            "help": "QLoRA: load the base through bitsandbytes as 'nf4', 'fp4' (4-bit, storage "
+            "in the compute dtype, as ZeRO-3/FSDP recipes do) or 'int8' (LLM.int8); 'none' "
+            "keeps it 16/32-bit",
+            "choices": ["none", "nf4", "fp4", "int8"],
+        },
+    )
     merged_output_dir: str | None = field(
         default=None, metadata={"help": "also save base + merged adapter here, for inference"}
     )
@@ -75,12 +91,18 @@ def main(argv=None) -> None:
     from peft import LoraConfig, get_peft_model
 
     key = "quantized_nontrainable_weights"
-    if script.mixz and args.zero.stage == 3 and not args.zero_setting_given(key):
+    # A bitsandbytes base is quantized already: its other frozen weights (embeddings, norms)
+    # stay as loaded, so the adapter reloads exactly on the same BitsAndBytesConfig.
+    mixz = script.mixz and script.quantization == "none"
+    if mixz and args.zero.stage == 3 and not args.zero_setting_given(key):
         args.zero = args.zero.replace(**{key: True})
 
     model, tokenizer = load_model_and_tokenizer(script.model_name_or_path, seed=args.seed)
-    if script.model_name_or_path is None:  # adapter_config.json must name a loadable base
-        save_embedded_base(model, tokenizer, args)
+    with args.main_process_first(desc="saving the base"):  # rank 0 writes, then all read
+        if script.model_name_or_path is None:  # adapter_config.json must name a loadable base
+            save_embedded_base(model, tokenizer, args)
+        if script.quantization != "none":
+            model = load_quantized_base(model, script.quantization, args)
     targets = script.lora_target_modules
     lora = LoraConfig(
         r=script.lora_r,

@@ -59,6 +59,31 @@ def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):
     return AutoModelForCausalLM.from_pretrained(model_name_or_path), tokenizer
 
 
+def load_quantized_base(model, quantization: str, args):
+    """``model``'s weights loaded again through bitsandbytes (QLoRA): ``nf4``/``fp4`` with 4-bit
+    codes stored in the compute dtype (``bnb_4bit_quant_storage``, what ZeRO-3/FSDP recipes
+    use), or ``int8``. The compute dtype follows ``--bf16``/``--fp16`` (else fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if quantization == "int8":
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quantization,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
+    source = model.name_or_path
+    quantized = AutoModelForCausalLM.from_pretrained(
+        source, quantization_config=config, dtype=dtype
+    )
+    quantized.name_or_path = source
+    return quantized
+
+
 def save_embedded_base(model, tokenizer, args) -> str:
     """Save the embedded tiny base to ``<output_dir>/base_model`` and make that its name.
 

@@ -146,6 +146,7 @@ def _bytes_survive(path: str, quant: str, cases: list[tuple[int, dict]], nvme_di
 def test_quantized_weights_move_as_bytes_at_every_stage_and_tier(base_dir, quant, tmp_path):
     cases = [(0, {}), (1, {}), (2, {}), (3, {}), (3, {"offload_param": "cpu"})]
     cases += [(3, {"offload_param": "nvme"}), (3, {"quantized_nontrainable_weights": True})]
+    cases += [(3, {"quantized_weights": True, "hpz_partition_size": 2})]  # qwZ + hpZ
     for rank_out in run_distributed(
         _bytes_survive, 2, args=(base_dir, quant, cases, str(tmp_path)), timeout=400
     ):
@@ -275,3 +276,41 @@ def test_evaluation_cannot_repack_the_base_and_break_gradients(base_dir):
         assert len(a["grads"]) == 28  # lora_A and lora_B of 7 linears x 2 layers
         for name, grad in a["grads"].items():
             assert torch.equal(grad, b["grads"][name]), name
+
+
+# --- what is refused, and how ---------------------------------------------------------------
+@pytest.fixture
+def no_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_refusals_name_the_setting_to_use(base_dir, no_group):
+    import bitsandbytes as bnb
+
+    model = load_quantized(base_dir, "nf4-bf16")
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(ValueError, match=r"AdamW8bit .*8-bit state.*torch.optim.AdamW"):
+        hf_zero.initialize(model, bnb.optim.AdamW8bit(adapters), stage=3)
+    # Paged optimizers fall back to unpaged ones on CPU (bitsandbytes warns); same answer.
+    with pytest.raises(ValueError, match="PagedAdamW8bit"):
+        hf_zero.initialize(model, bnb.optim.PagedAdamW8bit(adapters), stage=2)
+    with pytest.raises(NotImplementedError, match=r"'tp_size' = 2 .*'tp_size': 1"):
+        hf_zero.initialize(model, torch.optim.AdamW(adapters), stage=3, tp_size=2)
+    packed = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    packed.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"q_proj.base_layer.weight' is a bitsandbytes Params4bit"):
+        hf_zero.initialize(model, torch.optim.AdamW(adapters), stage=3)
+    assert not dist.is_initialized(), "refused before any process-group work"
+
+
+def test_a_base_repacked_by_an_earlier_evaluation_is_refused(base_dir, no_group):
+    model = load_quantized(base_dir, "nf4-bf16").eval()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (1, 8)))
+    if _repacked(model) == 0:
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes never repacks here")
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(ValueError, match="repacked by bitsandbytes' CPU inference kernel"):
+        hf_zero.initialize(model, torch.optim.AdamW(adapters), stage=3)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_zero.packed import is_packed
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -26,6 +28,8 @@ def merged_state_dict(engine, model, adapter: str = "default") -> dict[str, torc
     if not state:
         return {}
     merged = {k: v for k, v in state.items() if ".lora_" not in k}
+    # A bitsandbytes base is exported dequantized, in the dtype of its unquantized weights.
+    base_dtype = next((v.dtype for v in merged.values() if v.is_floating_point()), torch.float32)
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
             continue
@@ -44,16 +48,67 @@ def merged_state_dict(engine, model, adapter: str = "default") -> dict[str, torc
             delta = delta.T
         key = f"{name}.base_layer.weight"
         weight = merged.pop(key)
+        if is_packed(module.get_base_layer().weight):
+            for extra in [k for k in merged if k.startswith(f"{name}.base_layer.")]:
+                if not k_is_bias(extra):
+                    merged.pop(extra)  # quantization state: the merged weight is plain
+            weight = dequantized(module.get_base_layer(), weight, base_dtype)
         merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
         if f"{name}.base_layer.bias" in merged:
             merged[f"{name}.bias"] = merged.pop(f"{name}.base_layer.bias")
     return {k.removeprefix(PEFT_PREFIX): v for k, v in merged.items()}
 
 
+def k_is_bias(key: str) -> bool:
+    return key.endswith(".base_layer.bias")
+
+
+def dequantized(layer: torch.nn.Module, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bitsandbytes layer's weight as ``dtype`` values, from its gathered codes: what a
+    merged export holds, since LoRA deltas cannot be added to packed codes."""
+    import bitsandbytes.functional as F
+
+    weight = layer.weight
+    if type(weight).__name__ == "Params4bit":
+        values = F.dequantize_4bit(codes.to(weight.quant_state.absmax.device), weight.quant_state)
+        return values.to(dtype)
+    scb = weight.SCB if weight.SCB is not None else layer.state.SCB
+    return (codes.float() * (scb.float().unsqueeze(1) / 127.0)).to(dtype)
+
+
 def save_merged(engine, model, output_dir: str, tokenizer=None, adapter: str = "default") -> None:
     """Write the merged model to ``output_dir`` on rank 0 (collective)."""
     merged = merged_state_dict(engine, model, adapter)
     if merged:
-        model.get_base_model().save_pretrained(output_dir, state_dict=merged)
+        base = model.get_base_model()
+        if any(is_packed(p) for p in base.parameters()):
+            _save_dequantized(base, merged, output_dir)
+        else:
+            base.save_pretrained(output_dir, state_dict=merged)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
+
+
+def _save_dequantized(base: torch.nn.Module, merged: dict, output_dir: str) -> None:
+    """A bitsandbytes base merged: plain weights and a config without ``quantization_config``.
+
+    transformers' ``save_pretrained`` on a quantized model re-reads its (sharded) state dict and
+    keeps the quantization config, so the files are written here instead.
+    """
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(output_dir, exist_ok=True)
+    config = base.config.to_dict()
+    config.pop("quantization_config", None)
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    tied = getattr(base.config, "tie_word_embeddings", False)
+    tensors = {
+        k: v.contiguous().clone()
+        for k, v in merged.items()
+        if not (tied and k == "lm_head.weight")  # tied: from_pretrained re-ties it
+    }
+    save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from hf_zero.packed import disable_cpu_repacking, is_packed
+
 RECORD = "hf_zero_training.json"
 FORMAT = 1
 PEFT_PREFIX = "base_model.model."
@@ -75,8 +77,12 @@ def training_record(engine, model, state_dict: dict | None = None) -> dict:
                 ],
             }
             for g in (engine.frozen_groups if mixz else [])
+            if g.packed is None  # bitsandbytes codes were used as loaded, not re-quantized
         ],
     }
+    quantization = bitsandbytes_config(model)
+    if quantization is not None:
+        record["bitsandbytes"] = quantization
     if state_dict:
         frozen = {
             n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
@@ -101,15 +107,29 @@ def save_training_record(engine, model, output_dir: str | os.PathLike, state_dic
 
 def fingerprint(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
     """SHA-256 over names, shapes and a strided sample of each tensor's values (at most about
-    ``2 * SAMPLE`` of them, in ``dtype``), in name order: cheap for a large base, and any other
-    seed or checkpoint changes the sampled values."""
+    ``2 * SAMPLE`` of them, in ``dtype``; bitsandbytes codes as they are), in name order: cheap
+    for a large base, and any other seed or checkpoint changes the sampled values."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
+        cast = None if is_packed(tensors[name]) else dtype
         flat = tensors[name].detach().reshape(-1)
-        flat = flat[:: max(1, flat.numel() // SAMPLE)].to("cpu", dtype or flat.dtype).contiguous()
+        flat = flat[:: max(1, flat.numel() // SAMPLE)].to("cpu", cast or flat.dtype).contiguous()
         digest.update(f"{name}|{flat.dtype}|{tuple(tensors[name].shape)}|".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def bitsandbytes_config(model: torch.nn.Module) -> dict | None:
+    """How a bitsandbytes base was loaded (its ``quantization_config`` and load dtype), so the
+    same codes can be made again at reload; None for any other base."""
+    if not any(is_packed(p) for p in model.parameters()):
+        return None
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config is None:
+        return None
+    as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    dtype = getattr(model.config, "dtype", None)
+    return {"quantization_config": as_dict, "dtype": str(dtype).removeprefix("torch.")}
 
 
 # --- at load time ------------------------------------------------------------------------------
@@ -170,7 +190,7 @@ def _training_dtype(record: dict | None) -> torch.dtype | None:
     return DTYPES.get(record.get("precision")) if record else None
 
 
-def _resolve_base(base, adapter_dir: Path, config: dict) -> torch.nn.Module:
+def _resolve_base(base, adapter_dir: Path, config: dict, record: dict | None) -> torch.nn.Module:
     if isinstance(base, torch.nn.Module):
         return base
     from transformers import AutoModelForCausalLM
@@ -186,7 +206,17 @@ def _resolve_base(base, adapter_dir: Path, config: dict) -> torch.nn.Module:
         if Path(base).is_absolute() and not Path(base).exists():
             # The output directory was moved: the recipes keep the base next to the adapter.
             base = next((str(c) for c in candidates if (c / "config.json").is_file()), base)
-    return AutoModelForCausalLM.from_pretrained(base)
+    quantized = (record or {}).get("bitsandbytes")
+    if quantized is None:
+        return AutoModelForCausalLM.from_pretrained(base)
+    from transformers import BitsAndBytesConfig
+
+    # The same BitsAndBytesConfig and load dtype as training: the same codes.
+    return AutoModelForCausalLM.from_pretrained(
+        base,
+        quantization_config=BitsAndBytesConfig.from_dict(quantized["quantization_config"]),
+        dtype=getattr(torch, quantized["dtype"]),
+    )
 
 
 def load_for_inference(
@@ -224,7 +254,7 @@ def load_for_inference(
             + ("records no MixZ++ run" if record else "is missing")
             + ": there is no training quantization to replay"
         )
-    model = _resolve_base(base, adapter_dir, config)
+    model = _resolve_base(base, adapter_dir, config, record)
     if quantized:
         apply_training_quantization(model, record)
         if record.get("quantized_weights"):
@@ -245,9 +275,11 @@ def load_for_inference(
                 "or pass verify=False to use this base anyway"
             )
     model = PeftModel.from_pretrained(model, adapter_dir)
+    disable_cpu_repacking(model)  # the kernels training used (hf_zero.packed)
     target = train_dtype if dtype == "auto" else dtype
     if target is not None:
         # Parameters only, as the engine casts them: buffers (rotary inv_freq) stay fp32.
         for p in model.parameters():
-            p.data = p.data.to(target)
+            if not is_packed(p):  # bitsandbytes codes, not values
+                p.data = p.data.to(target)
     return model.eval()

@@ -56,10 +56,26 @@ NON_ELEMENTWISE_NAMES = {
 }
 
 
+def _bnb_optim_bits(optimizer: torch.optim.Optimizer) -> int:
+    """The state precision of a bitsandbytes optimizer (32 or 8), from its argument record."""
+    args = getattr(optimizer, "args", None)
+    return getattr(args, "optim_bits", 32) if args is not None else 32
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
     """Raise ``ValueError`` unless ``optimizer``'s update is known to be elementwise."""
     cls = type(optimizer)
     names = {c.__name__ for c in cls.__mro__}
+    if "Optimizer8bit" in names and _bnb_optim_bits(optimizer) == 8:
+        raise ValueError(
+            f"hf_zero: optimizer {cls.__name__} (bitsandbytes, 8-bit state) is not supported: it "
+            "quantizes its state in blocks with one absmax per block over each tensor it is "
+            "given, and keeps tensors under 'min_8bit_size' in 32 bits, so on flat ZeRO shards "
+            "its blocks, thresholds and state layout differ from the unsharded step, and the "
+            "per-block scales cannot be resharded on resume. LoRA adapters' optimizer state is "
+            "small: use torch.optim.AdamW (or bitsandbytes' 32-bit AdamW with "
+            "'allow_untested_optimizer': true)."
+        )
     if names & NON_ELEMENTWISE_NAMES:
         raise ValueError(
             f"hf_zero: optimizer {cls.__name__} is not elementwise (its update mixes elements of a "
