@@ -20,6 +20,7 @@ from hf_zero import checkpoint, host_memory
 from hf_zero.comm import Collectives, CommStats
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.full_state_dict import full_state_dict
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.memory import loose_param_bytes
 from hf_zero.optim import ShardedOptimizer
@@ -424,36 +425,7 @@ class ZeroEngine:
         grows by one group at a time. ``master_weights=True`` gives trainable parameters their
         fp32 master values. With ``rank0_only`` other ranks get ``{}``.
         """
-        keep = not rank0_only or self.topology.rank == 0
-        tp = self.tp  # TP-split tensors are gathered over the TP group: every rank takes part
-
-        def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
-            shard = tp.shard_of(p) if tp is not None else None
-            if shard is not None:
-                value = tp.gather_full(value, shard)
-            return value.to("cpu", copy=True) if keep else None
-
-        values: dict[int, torch.Tensor] = {}
-        for group in self.groups + self.frozen_groups:
-            full32 = group.full_master() if master_weights and group.trainable else None
-            with gathered([group]):
-                if keep or tp is not None:
-                    for slot, p in zip(group.layout.slots, group.params):
-                        source = p if full32 is None else full32[slot.offset : slot.end]
-                        values[id(p)] = whole(p, source.detach().view(p.shape))
-        if not keep and tp is None:
-            return {}
-        names = dict(self.module.named_parameters(remove_duplicate=False))
-        state = {}
-        for key, tensor in self.module.state_dict(keep_vars=True).items():
-            p = names.get(key)
-            if p is not None and id(p) in values:
-                state[key] = values[id(p)]
-            else:
-                if p is not None:
-                    values[id(p)] = whole(p, tensor.detach())  # tied keys: gathered once
-                state[key] = values[id(p)] if p is not None else whole(tensor, tensor.detach())
-        return state if keep else {}
+        return full_state_dict(self, rank0_only, master_weights)
 
     def save_checkpoint(self, directory: str | Path, keep_last: int | None = None) -> None:
         """Write master shards and optimizer state, one file per rank, atomically (collective).

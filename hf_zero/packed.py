@@ -74,41 +74,82 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+SLOT_ALIGN = 16
+"""Bytes each part of a slot is padded to, so every view of the buffer starts aligned."""
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+
+
 class PackedViews:
     """How a group of packed parameters lies in a ``uint8`` flat buffer.
 
-    Each parameter takes ``numel * element_size`` bytes; a gathered buffer is viewed back in
-    the parameter's own dtype and shape. Groups hold parameters of one dtype, so every slot
-    starts at a multiple of its element size and the views need no copy.
+    Each parameter's slot holds its codes (``numel * element_size`` bytes) and, for a 4-bit
+    weight, its ``quant_state.absmax`` right after them (one scale per 64-value block: 1/16 of
+    NF4's bytes), so the scales are sharded and gathered with the codes they scale. A gathered
+    buffer is viewed back in each tensor's own dtype and shape; between gathers both are empty.
+    The rest of the quantization state (code book, nested statistics, shape) is small and stays
+    whole on every rank; an ``Int8Params``' row scales (``SCB``) too.
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.dtypes = [p.dtype for p in params]
         self.shapes = [tuple(p.shape) for p in params]
+        scales = [_absmax(p) for p in params]
+        self.scale_specs = [None if a is None else (a.dtype, tuple(a.shape)) for a in scales]
 
     def byte_shapes(self) -> list[tuple[int]]:
-        """The layout's shapes: one flat run of bytes per parameter."""
-        return [
-            (torch.Size(s).numel() * torch.empty(0, dtype=d).element_size(),)
-            for d, s in zip(self.dtypes, self.shapes)
-        ]
+        """The layout's shapes: one flat run of bytes per parameter (codes, then scales)."""
+        return [(self._codes_bytes(i) + self._scale_bytes(i),) for i in range(len(self.dtypes))]
 
     def fill(self, full: torch.Tensor, slots, params: list[torch.Tensor]) -> None:
-        """Copy each parameter's bytes into its slot of ``full`` (``uint8``)."""
-        for slot, p in zip(slots, params):
-            full[slot.offset : slot.end].copy_(as_bytes(p))
+        """Copy each parameter's bytes (and its scales') into its slot of ``full``."""
+        for i, (slot, p) in enumerate(zip(slots, params)):
+            codes = as_bytes(p)
+            full[slot.offset : slot.offset + codes.numel()].copy_(codes)
+            if self.scale_specs[i] is not None:
+                scales = as_bytes(p.quant_state.absmax)
+                at = slot.offset + self._codes_bytes(i)
+                full[at : at + scales.numel()].copy_(scales)
 
     def point(self, flat: torch.Tensor, slots, params: list[torch.Tensor]) -> None:
-        """Make each parameter a view of its bytes in the gathered ``flat`` buffer."""
-        for slot, p, dtype, shape in zip(slots, params, self.dtypes, self.shapes):
-            p.data = flat[slot.offset : slot.end].view(dtype).view(shape)
+        """Make each parameter (and its scales) a view of its bytes in the gathered ``flat``."""
+        for i, (slot, p) in enumerate(zip(slots, params)):
+            dtype, shape = self.dtypes[i], self.shapes[i]
+            p.data = flat[slot.offset : slot.offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+            spec = self.scale_specs[i]
+            if spec is not None:
+                at = slot.offset + self._codes_bytes(i)
+                scales = flat[at : at + _nbytes(*spec)]
+                p.quant_state.absmax = scales.view(spec[0]).view(spec[1])
             _bind_int8_state(p)
 
     def release(self, params: list[torch.Tensor], device: torch.device) -> None:
-        """Leave each parameter empty (its bytes live in the shards)."""
-        for p, dtype, shape in zip(params, self.dtypes, self.shapes):
-            p.data = torch.empty((0, *shape[1:]), dtype=dtype, device=device)
+        """Leave each parameter and its scales empty (their bytes live in the shards)."""
+        for i, p in enumerate(params):
+            p.data = torch.empty((0, *self.shapes[i][1:]), dtype=self.dtypes[i], device=device)
+            spec = self.scale_specs[i]
+            if spec is not None:
+                p.quant_state.absmax = torch.empty(0, dtype=spec[0], device=device)
             _bind_int8_state(p)
+
+    def _codes_bytes(self, i: int) -> int:
+        return _padded(_nbytes(self.dtypes[i], self.shapes[i]))
+
+    def _scale_bytes(self, i: int) -> int:
+        spec = self.scale_specs[i]
+        return 0 if spec is None else _padded(_nbytes(*spec))
+
+
+def _absmax(param: torch.Tensor) -> torch.Tensor | None:
+    state = getattr(param, "quant_state", None)
+    absmax = getattr(state, "absmax", None)
+    return absmax if torch.is_tensor(absmax) else None
 
 
 def prepare_int8_module(module: torch.nn.Module) -> None:

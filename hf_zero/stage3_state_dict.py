@@ -158,6 +158,9 @@ class StateDictHooks:
                         value = self.tp.gather_full(value, tp_shard)
                     copy = self._copies[id(p)] = value.to("cpu", copy=True)
                 state[key] = copy
+                if group.packed is not None:  # its quantization state views the gathered bytes
+                    for extra in [k for k in state if k.startswith(key + ".")]:
+                        state[extra] = state[extra].detach().to("cpu", copy=True)
             self._release_unit(module)
         if kind is not None and not self._stack:
             self._finish()

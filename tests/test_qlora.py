@@ -158,30 +158,41 @@ def test_quantized_weights_move_as_bytes_at_every_stage_and_tier(base_dir, quant
 
 # --- what each rank holds -----------------------------------------------------------------------
 def _held(path: str, quant: str) -> dict:
-    from hf_zero.packed import is_packed, packed_bytes
+    from hf_zero.packed import is_packed, packed_bytes, quant_state_tensors
 
     model = load_quantized(path, quant)
-    codes = sum(p.numel() * p.element_size() for p in model.parameters() if is_packed(p))
-    whole = sum(packed_bytes(p) for p in model.parameters() if is_packed(p))
+    packed = [p for p in model.parameters() if is_packed(p)]
+    codes = sum(p.numel() * p.element_size() for p in packed)
+    absmax = sum(quant_state_tensors(p).get("absmax", torch.empty(0)).nbytes for p in packed)
+    whole = sum(packed_bytes(p) for p in packed)
     engine = _engine(model, 3)
     _train(engine, 1)
     frozen = [g for g in engine.frozen_groups if g.packed is not None]
     return {
-        "codes": codes,
-        "state": whole - codes,
+        "sharded": codes + absmax,
+        "whole_state": whole - codes - absmax,
+        "params": len(packed),
         "padded": sum(g.numel for g in frozen),
         "report": engine.memory_report(),
         "dtypes": sorted({str(g.dtype) for g in frozen}),
+        "absmax_left": sum(
+            quant_state_tensors(p).get("absmax", torch.empty(0)).numel() for p in packed
+        ),
     }
 
 
 @pytest.mark.parametrize("quant", ["nf4-bf16", "int8"])
-def test_stage3_shards_the_quantized_codes(base_dir, quant):
+def test_stage3_shards_the_quantized_codes_and_scales(base_dir, quant):
     for r in run_distributed(_held, 2, args=(base_dir, quant)):
         assert r["dtypes"] == ["torch.uint8"]
-        assert r["codes"] <= r["padded"] < r["codes"] + 2 * 64 * 14  # padding per group
-        # This rank's half of the codes, plus the quantization state every rank keeps whole.
-        assert r["report"]["quantized_params"] == r["padded"] // 2 + r["state"], r
+        # Codes and 4-bit scales are sharded (each part padded to 16 bytes, groups to 16 N).
+        assert r["sharded"] <= r["padded"] < r["sharded"] + 32 * r["params"] + 4096
+        assert r["absmax_left"] == 0  # between gathers no rank holds whole scales
+        # This rank's half of codes and scales, plus what every rank keeps whole (code books,
+        # int8 row scales).
+        assert r["report"]["quantized_params"] == r["padded"] // 2 + r["whole_state"], r
+        if quant == "int8":
+            assert r["whole_state"] > 0
 
 
 # --- parity -------------------------------------------------------------------------------------

@@ -49,30 +49,37 @@ def merged_state_dict(engine, model, adapter: str = "default") -> dict[str, torc
         key = f"{name}.base_layer.weight"
         weight = merged.pop(key)
         if is_packed(module.get_base_layer().weight):
-            for extra in [k for k in merged if k.startswith(f"{name}.base_layer.")]:
-                if not k_is_bias(extra):
-                    merged.pop(extra)  # quantization state: the merged weight is plain
-            weight = dequantized(module.get_base_layer(), weight, base_dtype)
+            # The quantization state, whole (as gathered): the merged weight is plain values.
+            extras = {
+                k.removeprefix(f"{name}.base_layer.").removeprefix("weight."): merged.pop(k)
+                for k in [k for k in merged if k.startswith(f"{name}.base_layer.")]
+                if not k.endswith(".base_layer.bias")
+            }
+            weight = dequantized(module.get_base_layer(), weight, extras, base_dtype)
         merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
         if f"{name}.base_layer.bias" in merged:
             merged[f"{name}.bias"] = merged.pop(f"{name}.base_layer.bias")
     return {k.removeprefix(PEFT_PREFIX): v for k, v in merged.items()}
 
 
-def k_is_bias(key: str) -> bool:
-    return key.endswith(".base_layer.bias")
-
-
-def dequantized(layer: torch.nn.Module, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bitsandbytes layer's weight as ``dtype`` values, from its gathered codes: what a
-    merged export holds, since LoRA deltas cannot be added to packed codes."""
+def dequantized(
+    layer: torch.nn.Module, codes: torch.Tensor, state: dict, dtype: torch.dtype
+) -> torch.Tensor:
+    """A bitsandbytes layer's weight as ``dtype`` values, from its gathered codes and the
+    quantization state the state dict holds (``state``, keys without the weight's prefix; an
+    int8 layer's row scales are ``SCB`` beside the weight): what a merged export holds, since
+    LoRA deltas cannot be added to packed codes."""
     import bitsandbytes.functional as F
 
-    weight = layer.weight
-    if type(weight).__name__ == "Params4bit":
-        values = F.dequantize_4bit(codes.to(weight.quant_state.absmax.device), weight.quant_state)
-        return values.to(dtype)
-    scb = weight.SCB if weight.SCB is not None else layer.state.SCB
+    if type(layer.weight).__name__ == "Params4bit":
+        quant_state = F.QuantState.from_dict(
+            {k: v for k, v in state.items() if not k.startswith(("SCB", "weight_format"))},
+            device=codes.device,
+        )
+        return F.dequantize_4bit(codes, quant_state).to(dtype)
+    scb = state.get("SCB")
+    if scb is None:
+        scb = layer.weight.SCB if layer.weight.SCB is not None else layer.state.SCB
     return (codes.float() * (scb.float().unsqueeze(1) / 127.0)).to(dtype)
 
 

@@ -1,0 +1,83 @@
+"""`full_state_dict`: the whole model's state dict on CPU, gathered group by group (collective).
+
+What ``save_pretrained`` and the merged export need from a sharded engine. Under stage 3 each
+group is gathered, copied out and released in turn, so device memory grows by one group at a
+time. A bitsandbytes weight's quantization state is read while its group is gathered: its
+``absmax`` is sharded with its codes (`hf_zero.packed.PackedViews`) and empty in between.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_zero.stage3 import gathered
+
+if TYPE_CHECKING:
+    from hf_zero.engine import ZeroEngine
+
+
+def full_state_dict(
+    engine: ZeroEngine, rank0_only: bool = True, master_weights: bool = False
+) -> dict[str, torch.Tensor]:
+    """See `ZeroEngine.full_state_dict`."""
+    keep = not rank0_only or engine.topology.rank == 0
+    tp = engine.tp  # TP-split tensors are gathered over the TP group: every rank takes part
+
+    def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        shard = tp.shard_of(p) if tp is not None else None
+        if shard is not None:
+            value = tp.gather_full(value, shard)
+        return value.to("cpu", copy=True) if keep else None
+
+    owners = _packed_owners(engine.module)
+    values: dict[int, torch.Tensor] = {}
+    extras: dict[str, torch.Tensor] = {}  # quantization state read while gathered
+    for group in engine.groups + engine.frozen_groups:
+        full32 = group.full_master() if master_weights and group.trainable else None
+        with gathered([group]):
+            if keep or tp is not None:
+                for slot, p in zip(group.layout.slots, group.params):
+                    source = p if full32 is None else full32[slot.offset : slot.end]
+                    values[id(p)] = whole(p, source.detach().view(p.shape))
+                    if group.packed is not None and keep:
+                        extras.update(_quant_state_entries(p, owners.get(id(p), ())))
+    if not keep and tp is None:
+        return {}
+    names = dict(engine.module.named_parameters(remove_duplicate=False))
+    state = {}
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        p = names.get(key)
+        if key in extras:
+            state[key] = extras[key]
+        elif p is not None and id(p) in values:
+            state[key] = values[id(p)]
+        else:
+            if p is not None:
+                values[id(p)] = whole(p, tensor.detach())  # tied keys: gathered once
+            state[key] = values[id(p)] if p is not None else whole(tensor, tensor.detach())
+    return state if keep else {}
+
+
+def _packed_owners(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Each parameter's state-dict prefixes (``<module>.weight``), by parameter id."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append(f"{name}.{attr}" if name else attr)
+    return owners
+
+
+def _quant_state_entries(p: torch.Tensor, prefixes) -> dict[str, torch.Tensor]:
+    state = getattr(p, "quant_state", None)
+    if state is None or not hasattr(state, "as_dict"):
+        return {}
+    packed = state.as_dict(packed=True)
+    return {
+        f"{prefix}.{k}": v.detach().to("cpu", copy=True)
+        for prefix in prefixes
+        for k, v in packed.items()
+        if torch.is_tensor(v)
+    }
