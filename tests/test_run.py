@@ -175,6 +175,33 @@ def test_trl_lora_adapter_is_saved_once_and_complete(tmp_path):
     _check_one_data_parallel_group(out, done.stdout)
 
 
+def test_trl_qlora_under_hf_zero_run_matches_its_own_ddp_run(tmp_path):
+    """An unmodified TRL SFTTrainer QLoRA script (bitsandbytes through ``model_init_kwargs``).
+
+    Stage 3 (quantized base gathered as bytes) equals stage 0 (base untouched, whole on every
+    rank) exactly. Against the same script under plain DDP (``--use_cpu``) each step's loss is
+    within 1e-4: measured 3.7e-5 (NF4; 7.6e-6 with int8) from the second step on, the same at
+    stage 0, where hf_zero never touches the quantized weights, and 0.0 for the same script
+    with a 16-bit base; where the last bits differ between the two harnesses with a
+    bitsandbytes base is not located yet."""
+    pytest.importorskip("trl")
+    pytest.importorskip("bitsandbytes")
+    args = [SCRIPT, *TRL_ARGS, "--lora", "--qlora", "nf4", *TRAIN_ARGS]
+    _launch([*args, "--output_dir", str(tmp_path / "ddp"), "--use_cpu", "true"])
+    losses = {"ddp": _losses(_reports(tmp_path / "ddp")[0])}
+    for stage in ("0", "3"):
+        out = tmp_path / f"zero{stage}"
+        done = _launch(
+            ["-m", "hf_zero.run", *args, "--output_dir", str(out), "--zero_stage", stage]
+        )
+        _check_one_data_parallel_group(out, done.stdout)
+        losses[stage] = _losses(_reports(out)[0])
+    assert losses["3"] == losses["0"], losses
+    assert len(losses["ddp"]) == len(losses["3"]) == 6
+    assert max(abs(a - b) for a, b in zip(losses["ddp"], losses["3"])) < 1e-4, losses
+    assert losses["ddp"][-1] != losses["ddp"][0]
+
+
 LOOP = str(ROOT / "tests" / "scripts" / "stock_accelerate_loop.py")
 
 

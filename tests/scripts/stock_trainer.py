@@ -1,6 +1,7 @@
 """A plain transformers training script: no hf_zero import anywhere, no device settings.
 
-    python stock_trainer.py --output_dir DIR [--subclass | --trl [--lora]] [TrainingArguments]
+    python stock_trainer.py --output_dir DIR [--subclass | --trl [--lora] [--qlora nf4|int8]]
+        [TrainingArguments]
 
 Its arguments are parsed as the transformers examples parse theirs (``HfArgumentParser`` over
 ``TrainingArguments``, or TRL's ``SFTConfig``), so every Trainer flag works and nothing is set
@@ -32,6 +33,7 @@ class ScriptArguments:
     subclass: bool = False
     trl: bool = False
     lora: bool = False
+    qlora: str = ""  # with --trl: load the model by path through bitsandbytes, as QLoRA scripts do
 
 
 def tokenizer():
@@ -84,6 +86,28 @@ def main():
             peft_config = LoraConfig(
                 r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
             )
+        if script.qlora:
+            from transformers import BitsAndBytesConfig
+
+            path = os.path.join(training_args.output_dir, "base")
+            with training_args.main_process_first(desc="saving the base"):
+                if training_args.process_index == 0:
+                    model.save_pretrained(path)
+            model = path  # TRL loads it with model_init_kwargs, as its own sft.py does
+            quantization = (
+                BitsAndBytesConfig(load_in_8bit=True)
+                if script.qlora == "int8"
+                else BitsAndBytesConfig(
+                    load_in_4bit=True,
+                    bnb_4bit_quant_type=script.qlora,
+                    bnb_4bit_compute_dtype=torch.float32,
+                    bnb_4bit_quant_storage=torch.float32,
+                )
+            )
+            training_args.model_init_kwargs = {
+                "quantization_config": quantization,
+                "dtype": torch.float32,
+            }
         text = ["".join(chr(int(i) + 30) for i in row) for row in ids]
         trainer = SFTTrainer(
             model=model,
