@@ -49,7 +49,7 @@ gpu-check:
 
 # Wheels for a GPU machine that cannot reach a package index (python 3.12, x86-64 Linux): what
 # hf_zero needs beyond an image with torch, transformers, accelerate, peft and safetensors.
-GPU_WHEELS ?= datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_WHEELS ?= datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -133,7 +133,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     print(
         f"{shape.params:,} parameters ({shape.tp_split_params:,} split by AutoTP), "
         f"{args.dp} data-parallel x {args.tp} tensor-parallel ranks, {args.precision}, Adam"
-        + (f", {frozen:,} frozen" + (" as INT8 (MixZ++)" if args.mixz else "") if frozen else "")
+        + (f", {frozen:,} frozen" + _frozen_format(args.mixz) if frozen else "")
         + (f", hpZ {args.hpz}" if args.hpz > 1 else "")
         + (f", {gas} micro-batches per step" if gas > 1 else "")
     )
@@ -278,6 +278,12 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _frozen_format(mixz: str | None) -> str:
+    if mixz is None:
+        return ""
+    return " as INT8 (MixZ++)" if mixz == "int8" else f" as a bitsandbytes {mixz.upper()} base"
+
+
 def main(argv: list[str] | None = None) -> int:
     from hf_zero import __version__
 
@@ -311,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ partition size")
     p.add_argument("--trainable-params", help="LoRA: trainable count; the rest is frozen")
-    p.add_argument("--mixz", action="store_true", help="frozen weights as INT8 shards")
+    p.add_argument(
+        "--mixz",
+        nargs="?",
+        const="int8",
+        choices=["int8", "nf4", "fp4"],
+        help="frozen weights quantized: MixZ++ INT8 shards (stage 3; the default), or a "
+        "bitsandbytes 4-bit base (nf4/fp4: every stage, sharded at stage 3)",
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument(

@@ -187,6 +187,9 @@ WHY_NOT_PAPER = (
 """Where `formula` equals `PAPER_FORMULA`, where it keeps more and why (``hf-zero estimate``)."""
 
 QUANT_SCALE_OVERHEAD = 4 / 256  # one fp32 scale per 256-element block
+FROZEN_FORMAT_BYTES = {"int8": 1 + QUANT_SCALE_OVERHEAD, "nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64}
+"""Bytes per frozen parameter: MixZ++'s INT8 blocks (stage 3 only), or a bitsandbytes 4-bit base
+(codes and one fp32 absmax per 64 values; at every stage, sharded at stage 3)."""
 
 
 @dataclass
@@ -249,15 +252,16 @@ def estimate(
     tp_size: int = 1,
     hpz: int = 1,
     frozen_params: int = 0,
-    mixz: bool = False,
+    mixz: bool | str = False,
     gradient_accumulation_steps: int = 1,
     between_steps: bool = False,
     offload_param: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes by kind (as `ZeroEngine.memory_report` names them) for a whole model.
 
-    ``frozen_params`` have no gradients or optimizer state (a LoRA base); with ``mixz`` (stage
-    3) they are INT8 shards (1 byte per parameter / N, plus scales). With ``tp_size`` > 1 the
+    ``frozen_params`` have no gradients or optimizer state (a LoRA base); with ``mixz`` (True or
+    ``"int8"``, stage 3) they are INT8 shards (1 byte per parameter / N, plus scales); with
+    ``"nf4"``/``"fp4"`` a bitsandbytes 4-bit base (`FROZEN_FORMAT_BYTES`). With ``tp_size`` > 1 the
     TP-split part of every count is divided by it. ``hpz`` adds the secondary shards held during a
     step. ``gradient_accumulation_steps`` and ``between_steps``: see `model_state_bytes`.
     """
@@ -274,15 +278,24 @@ def estimate(
         between_steps=between_steps,
         offload_param=offload_param,
     )
-    mixz = mixz and stage == 3  # MixZ++ needs stage 3; below it the base is replicated
+    kind = "int8" if mixz is True else mixz or None
+    if kind is not None and kind not in FROZEN_FORMAT_BYTES:
+        raise ValueError(
+            f"hf_zero estimate: 'mixz' = {kind!r}; use one of {', '.join(FROZEN_FORMAT_BYTES)}"
+        )
+    # MixZ++ needs stage 3 (below it the base is replicated); a bitsandbytes base is quantized
+    # at every stage and sharded at stage 3.
+    mixz = kind is not None and (stage == 3 or kind != "int8")
     if mixz:
-        report["quantized_params"] = frozen / dp_size * (1 + QUANT_SCALE_OVERHEAD)
+        per_param = FROZEN_FORMAT_BYTES[kind]
+        report["quantized_params"] = per_param * (frozen / dp_size if stage == 3 else frozen)
     else:
         frozen_kind = "host_params" if offload_param else "params"  # frozen shards follow
         report[frozen_kind] += b * (frozen / dp_size if stage == 3 else frozen)
     secondary = 0.0
     if stage == 3 and hpz > 1:  # hpZ: 1/hpz of every gathered parameter, INT8 for MixZ++
-        secondary = (b * (local - frozen) + (1 if mixz else b) * frozen) / hpz
+        frozen_b = FROZEN_FORMAT_BYTES[kind] if mixz else b
+        secondary = (b * (local - frozen) + frozen_b * frozen) / hpz
     report["secondary_params"] = secondary
     report["total"] = sum(
         report.get(k, 0.0)

@@ -43,7 +43,8 @@ fi
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 need = {"transformers": "transformers", "accelerate": "accelerate", "peft": "peft",
-        "datasets": "datasets", "safetensors": "safetensors", "yaml": "pyyaml", "pytest": "pytest"}
+        "datasets": "datasets", "safetensors": "safetensors", "yaml": "pyyaml", "pytest": "pytest",
+        "bitsandbytes": "bitsandbytes"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )

@@ -242,3 +242,47 @@ def max_param_diff(a: dict, b: dict) -> float:
 def max_loss_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+QLORA_MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+QUANTS = {
+    "nf4-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", storage="bfloat16"),
+    "fp4-uint8": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", storage="uint8"),
+    "nf4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", storage="bfloat16", double=True
+    ),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def load_quantized(path: str, quant: str, dtype=torch.bfloat16, lora: bool = True):
+    """``from_pretrained`` with a ``BitsAndBytesConfig`` (as the PEFT docs show) onto this
+    test's `DEVICE`, then LoRA on every linear layer. QLoRA test models: sizes multiples of 64
+    (bitsandbytes blocks) and of 32 (its CPU repacking)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    spec = dict(QUANTS[quant])
+    storage = getattr(torch, spec.pop("storage", "uint8"))
+    double = spec.pop("double", False)
+    if spec.get("load_in_4bit"):
+        spec.update(
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=storage,
+            bnb_4bit_use_double_quant=double,
+        )
+    config = BitsAndBytesConfig(**spec)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=dtype, device_map={"": DEVICE}
+    )
+    if not lora:
+        return model
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    return model.train()  # as the Trainer does (from_pretrained leaves eval mode)

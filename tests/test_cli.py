@@ -66,6 +66,18 @@ def test_estimate_presets_tp_mixz_and_activations(capsys):
     assert main([*args, "--mixz"]) == 0
     mixz = capsys.readouterr().out
     assert "frozen as INT8 (MixZ++)" in mixz
+    assert main([*args, "--mixz", "nf4"]) == 0
+    nf4 = capsys.readouterr().out
+    assert "frozen as a bitsandbytes NF4 base" in nf4
+
+    def device_gib(text: str, stage: str) -> float:
+        rows = [line.split() for line in text.splitlines() if line.startswith(f"{stage:>5} ")]
+        return float(rows[0][2])
+
+    # A 4-bit base is quantized at every stage (MixZ++'s INT8 only at stage 3), and at
+    # stage 3 costs about 0.56/1.02 of MixZ++'s INT8 shards.
+    assert device_gib(nf4, "2") < device_gib(mixz, "2")
+    assert device_gib(nf4, "3") < device_gib(mixz, "3")
     assert main(["estimate", "--model", "gpt-17"]) == 2
     assert "known: " + ", ".join(MODEL_PRESETS) in capsys.readouterr().err
 

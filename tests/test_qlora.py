@@ -21,28 +21,14 @@ The test model's sizes are multiples of 64 (bitsandbytes blocks) and of 32 (the 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import QLORA_MODEL, QUANTS, load_quantized
 
 import hf_zero
+from hf_zero.memory import FROZEN_FORMAT_BYTES
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, token_batches
 
 pytest.importorskip("bitsandbytes")
-
-QLORA_MODEL = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-QUANTS = {
-    "nf4-bf16": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", storage="bfloat16"),
-    "fp4-uint8": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", storage="uint8"),
-    "nf4-double": dict(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", storage="bfloat16", double=True
-    ),
-    "int8": dict(load_in_8bit=True),
-}
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +36,6 @@ def base_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qlora") / "base"
     tiny_llama(0, initializer_range=0.2, **QLORA_MODEL).save_pretrained(path)
     return str(path)
-
-
-def load_quantized(path: str, quant: str, dtype=torch.bfloat16, lora: bool = True):
-    """``from_pretrained`` with a ``BitsAndBytesConfig`` (as the PEFT docs show), then LoRA."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    spec = dict(QUANTS[quant])
-    storage = getattr(torch, spec.pop("storage", "uint8"))
-    double = spec.pop("double", False)
-    if spec.get("load_in_4bit"):
-        spec.update(
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_quant_storage=storage,
-            bnb_4bit_use_double_quant=double,
-        )
-    config = BitsAndBytesConfig(**spec)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype)
-    if not lora:
-        return model
-    torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    return model.train()  # as the Trainer does (from_pretrained leaves eval mode)
 
 
 def quantized_bytes(model) -> dict[str, torch.Tensor]:
@@ -168,7 +131,11 @@ def _held(path: str, quant: str) -> dict:
     engine = _engine(model, 3)
     _train(engine, 1)
     frozen = [g for g in engine.frozen_groups if g.packed is not None]
+    weights = sum(
+        p.quant_state.shape.numel() if hasattr(p, "quant_state") else p.numel() for p in packed
+    )
     return {
+        "weights": weights,
         "sharded": codes + absmax,
         "whole_state": whole - codes - absmax,
         "params": len(packed),
@@ -193,6 +160,10 @@ def test_stage3_shards_the_quantized_codes_and_scales(base_dir, quant):
         assert r["report"]["quantized_params"] == r["padded"] // 2 + r["whole_state"], r
         if quant == "int8":
             assert r["whole_state"] > 0
+        else:  # what `hf-zero estimate --mixz nf4` counts per rank, within the padding
+            estimated = r["weights"] * FROZEN_FORMAT_BYTES["nf4"] / 2
+            held = r["report"]["quantized_params"] - r["whole_state"]
+            assert estimated <= held < estimated + 32 * r["params"] + 4096, (estimated, held)
 
 
 # --- parity -------------------------------------------------------------------------------------
