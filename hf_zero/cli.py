@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="?",
         const="int8",
         choices=["int8", "nf4", "fp4"],
-        help="frozen weights quantized: MixZ++ INT8 shards (stage 3; the default), or a "
-        "bitsandbytes 4-bit base (nf4/fp4: every stage, sharded at stage 3)",
+        help="frozen weights quantized: MixZ++ INT8 shards (stage 3; the default), or NF4/FP4 "
+        "(a bitsandbytes 4-bit base at every stage, sharded at stage 3; or MixZ++ nf4/fp4)",
     )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)

@@ -147,7 +147,10 @@ class ZeroConfig:
     """qgZ: carry each quantization residual into the next reduction."""
     quantization_block_size: int = 256
     """Elements per quantization block (one fp32 scale each), for qwZ and qgZ."""
-    quantized_nontrainable_weights: bool = False
+    quantized_nontrainable_weights: bool | str = False
+    """MixZ++ (stage 3): frozen weights stored quantized once, for the whole run. ``true`` (or
+    ``"int8"``): hf_zero's INT8 blocks (INT4 with ``quantized_weights_bits: 4``); ``"nf4"`` /
+    ``"fp4"``: bitsandbytes' 4-bit formats (64-value blocks, one fp32 absmax each)."""
 
     # --- topology ----------------------------------------------------------------------------
     tp_size: int = 1
@@ -283,6 +286,13 @@ class ZeroConfig:
         self.check_batch_sizes(dp_size)
 
     @property
+    def frozen_format(self) -> str | None:
+        """MixZ++'s storage format: None (off), ``"int"`` (hf_zero's blocks), ``"nf4"``,
+        ``"fp4"``."""
+        frozen = self.quantized_nontrainable_weights
+        return None if frozen is False else "int" if frozen is True else frozen
+
+    @property
     def hpz_enabled(self) -> bool:
         return self.hpz_partition_size == AUTO or self.hpz_partition_size > 1
 
@@ -337,6 +347,16 @@ class ZeroConfig:
         if self.hpz_partition_size != AUTO:
             self.hpz_partition_size = _int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
         _one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
+        frozen = self.quantized_nontrainable_weights
+        if isinstance(frozen, str) and frozen.lower() in ("true", "false", "int8"):
+            frozen = frozen.lower() != "false"
+        if not (isinstance(frozen, bool) or frozen in ("nf4", "fp4")):
+            raise ValueError(
+                f"zero config: 'quantized_nontrainable_weights' = {frozen!r} is not allowed; "
+                "expected true/false, 'int8' (hf_zero's INT8 blocks), 'nf4' or 'fp4' "
+                "(bitsandbytes' 4-bit formats)"
+            )
+        self.quantized_nontrainable_weights = frozen
         _one_of("quantized_gradients_bits", self.quantized_gradients_bits, (8, 4))
         _at_least("quantization_block_size", self.quantization_block_size, 2)
         if self.quantization_block_size % 2:

@@ -212,7 +212,8 @@ class ZeroEngine:
             parts.append(f"qgZ INT{zpp.gradient_bits} gradient all-to-all{ef}")
         if zpp.quantized_nontrainable_weights:
             frozen = sum(g.numel for g in self.frozen_groups)
-            parts.append(f"MixZ++ INT{zpp.weight_bits} frozen weights ({frozen} elements)")
+            kind = f"INT{zpp.weight_bits}" if zpp.frozen_format == "int" else zpp.frozen_format
+            parts.append(f"MixZ++ {kind.upper()} frozen weights ({frozen} elements)")
         return ", ".join(parts)
 
     # --- construction ------------------------------------------------------------------------

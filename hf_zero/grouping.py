@@ -53,7 +53,8 @@ def zeropp_settings(config: ZeroConfig, topo: Topology) -> ZeroPPSettings:
         inter=topo.dp_inter_node,
         block_size=config.quantization_block_size,
         error_feedback=config.quantized_gradients_error_feedback,
-        quantized_nontrainable_weights=config.quantized_nontrainable_weights,
+        quantized_nontrainable_weights=config.frozen_format is not None,
+        frozen_format=config.frozen_format or "int",
     )
 
 

@@ -37,6 +37,9 @@ class Quantized:
     numel: int
     bits: int
     block_size: int
+    format: str = "int"
+    """``"int"``: this module's symmetric blocks; ``"nf4"``/``"fp4"``: bitsandbytes' 4-bit
+    codes with one absmax per block (`hf_zero.quant_bnb`)."""
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +143,10 @@ def dequantize_rows_into(q: Quantized, out: torch.Tensor, accumulate: bool = Fal
     """Write (``accumulate``: add) the ``[rows, numel]`` values ``q`` stands for into ``out``
     (any float dtype, viewable as ``[rows, numel]``), chunk by chunk, with no whole-size
     temporary. Writing is bit-identical to ``dequantize_rows(q, out.dtype)``."""
+    if q.format != "int":
+        from hf_zero.quant_bnb import dequantize_bnb_into
+
+        return dequantize_bnb_into(q, out, accumulate)
     rows = q.data.shape[0]
     out = out.view(rows, q.numel)
     bs = q.block_size

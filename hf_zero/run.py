@@ -49,6 +49,11 @@ def _bool(text: str) -> bool:
     return _BOOL[text.lower()]
 
 
+def _bool_or_format(text: str) -> bool | str:
+    """MixZ++: true/false, or a storage format ('int8', 'nf4', 'fp4')."""
+    return text.lower() if text.lower() in ("int8", "nf4", "fp4") else _bool(text)
+
+
 def _int_or_auto(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
@@ -61,7 +66,7 @@ PARSERS = {
     "quantized_weights": _bool,
     "hpz_partition_size": _int_or_auto,
     "quantized_gradients": _bool,
-    "quantized_nontrainable_weights": _bool,
+    "quantized_nontrainable_weights": _bool_or_format,
     "tp_size": int,
     "pp_size": int,
     "pp_schedule": str,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from helpers import lora_engine, lora_model, train_on_corpus
 
+import hf_zero
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, token_batches
 
@@ -147,3 +148,63 @@ def test_mixz_with_hpz_is_exact_and_keeps_the_int8_secondary():
         # Frozen INT8 weights never change: their secondary (2 of 4 shards) outlives the step.
         assert r["mixz+hpz_secondary"] >= 2 * r["mixz+hpz_quantized"] > 0, r
         assert r["mixz_secondary"] == 0
+
+
+# --- MixZ++ in bitsandbytes' 4-bit formats ------------------------------------------------------
+def _bnb_mixz(kind: str, steps: int) -> dict:
+    """MixZ++ with ``kind`` storage: the weights the forward sees are bitsandbytes' own
+    quantize-dequantize of each shard (computed here with bitsandbytes directly), and what a
+    rank holds is 0.5 byte per weight / N plus one fp32 absmax per 64."""
+    import bitsandbytes.functional as F
+
+    from hf_zero.partition import FlatLayout
+
+    world = dist.get_world_size()
+    model = lora_model()
+    original = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    engine = lora_engine(
+        model,
+        precision="bf16",
+        quantized_nontrainable_weights=kind,
+        param_persistence_threshold=640,
+    )
+    expected, worst = {}, 0.0
+    for group in engine.frozen_groups:
+        layout = FlatLayout(group.names, [s.shape for s in group.layout.slots], world)
+        full = torch.zeros(layout.padded_numel)
+        for slot in layout.slots:
+            full[slot.offset : slot.end] = original[slot.name].reshape(-1)
+        for k in range(world):
+            start, end = layout.shard_range(k)
+            shard = full[start:end]
+            pad = -shard.numel() % 64
+            codes, state = F.quantize_4bit(
+                torch.nn.functional.pad(shard, (0, pad)), blocksize=64, quant_type=kind
+            )
+            full[start:end] = F.dequantize_4bit(codes, state).reshape(-1)[: shard.numel()]
+        for slot in layout.slots:
+            expected[slot.name] = full[slot.offset : slot.end].view(slot.shape).to(torch.bfloat16)
+    with hf_zero.gathered_parameters(model.parameters()):
+        got = {n: p.detach().clone() for n, p in model.named_parameters() if n in expected}
+    for name, value in expected.items():
+        worst = max(worst, (got[name].float() - value.float()).abs().max().item())
+    shards = sum(-(-g.layout.shard_numel // 64) for g in engine.frozen_groups)
+    losses = train_on_corpus(engine, steps)
+    return {
+        "checked": len(expected),
+        "worst": worst,
+        "held": engine.memory_report()["quantized_params"],
+        "expected_bytes": shards * (32 + 4),  # per 64-value block: 32 bytes of codes + absmax
+        "last": sum(losses[-10:]) / 10,
+        "first": losses[0],
+    }
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_mixz_in_bitsandbytes_4bit_formats(kind):
+    pytest.importorskip("bitsandbytes")
+    for r in run_distributed(_bnb_mixz, 2, args=(kind, 40)):
+        assert r["checked"] >= 14, r  # every large frozen weight of the 2 layers
+        assert r["worst"] == 0.0, r  # bit for bit what bitsandbytes makes of each shard
+        assert r["held"] == r["expected_bytes"], r
+        assert r["last"] < 0.8 * r["first"], r

@@ -79,8 +79,9 @@ class HpZGather:
             rows = q.data.shape[0] // self.hpz.size
             keep = slice(self.index * rows, (self.index + 1) * rows)
             self.secondary = Quantized(
-                q.data[keep].clone(), q.scales[keep].clone(), q.numel, q.bits, q.block_size
-            )
+                q.data[keep].clone(), q.scales[keep].clone(), q.numel, q.bits, q.block_size,
+                q.format,
+            )  # fmt: skip
         else:
             size = out.numel() // self.hpz.size
             self.secondary = out[self.index * size : (self.index + 1) * size].clone()

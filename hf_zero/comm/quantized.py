@@ -54,7 +54,10 @@ class ZeroPPSettings:
     block_size: int = 256
     error_feedback: bool = False
     quantized_nontrainable_weights: bool = False
-    """MixZ++: frozen stage-3 shards are stored quantized (``weight_bits``) once, for good."""
+    """MixZ++: frozen stage-3 shards are stored quantized once, for good."""
+    frozen_format: str = "int"
+    """MixZ++'s storage: ``"int"`` (INT8/INT4 blocks of ``weight_bits``), ``"nf4"`` or ``"fp4"``
+    (bitsandbytes' 4-bit formats)."""
 
 
 def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> Quantized:
@@ -81,7 +84,9 @@ class QuantizedGather:
         rows = local.data.shape[0] * group.size
         data = local.data.new_empty((rows, local.data.shape[1]))
         scales = local.scales.new_empty((rows, local.scales.shape[1]))
-        self.gathered = Quantized(data, scales, local.numel, local.bits, local.block_size)
+        self.gathered = Quantized(
+            data, scales, local.numel, local.bits, local.block_size, local.format
+        )
         self._works = [
             comm.all_gather(data.view(-1), local.data.reshape(-1), group, async_op=async_op),
             comm.all_gather(scales.view(-1), local.scales.reshape(-1), group, async_op=async_op),

@@ -68,6 +68,7 @@ def training_record(engine, model, state_dict: dict | None = None) -> dict:
         "quantized_weights": bool(zpp.quantized_weights),
         "bits": zpp.weight_bits,
         "block_size": zpp.block_size,
+        "frozen_format": zpp.frozen_format,
         "param_persistence_threshold": config.param_persistence_threshold,
         "frozen_groups": [
             {
@@ -143,9 +144,9 @@ def apply_training_quantization(model: torch.nn.Module, record: dict) -> int:
     """Replace ``model``'s frozen base weights by what the MixZ++ forward computed with (in
     place); returns the number of weights replaced. ``model`` is the plain base or the PEFT
     model."""
-    from hf_zero.comm.quantized import quantize_shard
     from hf_zero.partition import FlatLayout
     from hf_zero.quant import dequantize_rows
+    from hf_zero.tiers.quantized import quantize_frozen
 
     if record.get("tp_size", 1) > 1:
         raise NotImplementedError(
@@ -158,6 +159,7 @@ def apply_training_quantization(model: torch.nn.Module, record: dict) -> int:
         if key is not None:
             params.setdefault(key, p)
     bits, block = record["bits"], record["block_size"]
+    kind = record.get("frozen_format", "int")  # records before NF4/FP4 MixZ++: hf_zero's own
     replaced = 0
     for group in record["frozen_groups"]:
         names = [s["name"] for s in group["params"]]
@@ -176,7 +178,7 @@ def apply_training_quantization(model: torch.nn.Module, record: dict) -> int:
             full32[slot.offset : slot.end].copy_(params[slot.name].detach().reshape(-1))
         for k in range(layout.num_shards):
             start, end = layout.shard_range(k)
-            q = quantize_shard(full32[start:end], bits, block)
+            q = quantize_frozen(full32[start:end], kind, bits, block)
             full32[start:end] = dequantize_rows(q).reshape(-1)
         for slot in layout.slots:
             params[slot.name].copy_(full32[slot.offset : slot.end].view(slot.shape))

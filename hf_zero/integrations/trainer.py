@@ -71,8 +71,12 @@ class ZeroTrainingArguments(TrainingArguments):
     zero_quantized_gradients: bool | None = field(
         default=None, metadata={"help": "ZeRO++ qgZ: quantized gradient reduction"}
     )
-    zero_quantized_nontrainable_weights: bool | None = field(
-        default=None, metadata={"help": "MixZ++: frozen weights kept as INT8 shards (stage 3)"}
+    zero_quantized_nontrainable_weights: str | None = field(
+        default=None,
+        metadata={
+            "help": "MixZ++ (stage 3): frozen weights kept as quantized shards: true/int8 "
+            "(INT8 blocks), nf4 or fp4 (bitsandbytes 4-bit), false"
+        },
     )
     tp_size: int | None = field(default=None, metadata={"help": "tensor-parallel size (AutoTP)"})
     pp_size: int | None = field(
