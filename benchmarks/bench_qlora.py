@@ -1,10 +1,15 @@
 """QLoRA on hf_zero: per-rank memory and loss of a bitsandbytes base against a 16-bit base.
 
     python benchmarks/bench_qlora.py [--hidden 512 --layers 4 --steps 100 --out bench_qlora.json]
+    python benchmarks/bench_qlora.py --load --hidden 2048 --layers 8
+
+``--load`` measures loading alone: each mode's ``from_pretrained`` in a fresh process, its peak
+RSS against the RSS before loading, and the bytes the loaded model holds (what every rank holds
+today before `initialize` shards it).
 
 Each row is one fresh 2-rank gloo group (CPU): a LLaMA-shaped model saved once, loaded with
 ``from_pretrained`` (bf16, or through ``BitsAndBytesConfig`` as NF4 with bf16 storage or as
-LLM.int8), LoRA r 16 on every linear layer, ZeRO stage 2 or 3, ``--steps`` AdamW steps on the
+LLM.int8; or bf16 stored by MixZ++ as INT8 or NF4 shards), LoRA r 16 on every linear layer, ZeRO stage 2 or 3, ``--steps`` AdamW steps on the
 embedded corpus. Reported per rank: `memory_report()`'s bytes of the base (``params`` +
 ``quantized_params``), the peak RSS of the process, and the mean loss of the last 10 steps, with
 its ratio to the bf16 base at the same stage.
@@ -24,7 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import llama_shape
 
-MODES = ("bf16", "nf4", "int8")
+MODES = ("bf16", "nf4", "int8", "mixz-int8", "mixz-nf4")
+"""The base: bf16, a bitsandbytes NF4 / LLM.int8 load, or a bf16 load stored by MixZ++ (stage 3)
+as hf_zero's INT8 blocks or as bitsandbytes NF4 shards."""
 
 
 def _load(path: str, mode: str):
@@ -32,7 +39,9 @@ def _load(path: str, mode: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = None
-    if mode == "nf4":
+    if mode.startswith("mixz"):
+        quant = None
+    elif mode == "nf4":
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -57,8 +66,13 @@ def _rank(path: str, mode: str, stage: int, steps: int) -> dict:
 
     model = _load(path, mode)
     adapters = [p for p in model.parameters() if p.requires_grad]
+    mixz = {"mixz-int8": True, "mixz-nf4": "nf4"}.get(mode, False)
     engine = hf_zero.initialize(
-        model, torch.optim.AdamW(adapters, lr=2e-3), stage=stage, precision="bf16"
+        model,
+        torch.optim.AdamW(adapters, lr=2e-3),
+        stage=stage,
+        precision="bf16",
+        quantized_nontrainable_weights=mixz,
     )
     batches = token_batches(64, 4, dist.get_rank(), dist.get_world_size(), seed=0)
     losses = []
@@ -78,6 +92,64 @@ def _rank(path: str, mode: str, stage: int, steps: int) -> dict:
     }
 
 
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` memory line (kB) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _load_one(path: str, mode: str) -> dict:
+    """In a fresh process: ``from_pretrained`` alone, peak RSS growth and the model's bytes."""
+    import gc
+
+    from hf_zero.packed import is_packed, packed_bytes
+
+    gc.collect()
+    before = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS: what imports used is not ours
+    model = _load(path, mode)
+    after = _status_bytes("VmHWM")
+    held = sum(
+        packed_bytes(p) if is_packed(p) else p.numel() * p.element_size()
+        for p in model.parameters()
+    )
+    return {"base": mode, "peak_rss_growth": after - before, "model_bytes": held}
+
+
+def _load_table(args) -> None:
+    import subprocess
+
+    from hf_zero.tiny import tiny_llama
+
+    shape = llama_shape(args.hidden, args.layers, 256, 128)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_llama(0, **shape).to(torch.bfloat16)
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(tmp)
+        del model
+        for mode in ("bf16", "nf4", "int8"):
+            code = (
+                "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_qlora as b; "
+                f"print('ROW' + json.dumps(b._load_one({tmp!r}, {mode!r})))"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            ).stdout
+            rows.append(json.loads(next(x for x in out.splitlines() if x.startswith("ROW"))[3:]))
+    print(f"from_pretrained of {params / 1e6:.0f}M parameters (bf16 on disk), one process each")
+    print("| base | model bytes | peak RSS growth while loading |")
+    print("|---|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['base']} | {row['model_bytes'] / 2**20:.0f} MiB | "
+            f"{row['peak_rss_growth'] / 2**20:.0f} MiB |"
+        )
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
 def main(argv=None) -> None:
     from hf_zero.testing import run_distributed
     from hf_zero.tiny import tiny_llama
@@ -87,13 +159,18 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", default="bench_qlora.json")
+    parser.add_argument("--load", action="store_true", help="measure loading alone")
     args = parser.parse_args(argv)
+    if args.load:
+        return _load_table(args)
     shape = llama_shape(args.hidden, args.layers, 256, 128)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny_llama(0, initializer_range=0.3, **shape).save_pretrained(tmp)
         for stage in (2, 3):
             for mode in MODES:
+                if mode.startswith("mixz") and stage != 3:
+                    continue  # MixZ++ is a stage-3 storage
                 ranks = run_distributed(_rank, 2, args=(tmp, mode, stage, args.steps), timeout=1800)
                 rows.append({"stage": stage, "base": mode, **ranks[0]})
     print(f"hidden {args.hidden}, {args.layers} layers, 2 ranks, bf16, {args.steps} steps")

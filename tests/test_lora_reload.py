@@ -184,7 +184,7 @@ def test_consolidate_takes_frozen_parameters_from_the_saved_model(tmp_path):
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
-def _train_int4_bf16(out_dir: str) -> dict:
+def _train_int4_bf16(out_dir: str, frozen=True) -> dict:
     from hf_zero.integrations.reload import save_training_record
 
     model = lora_model()
@@ -192,7 +192,7 @@ def _train_int4_bf16(out_dir: str) -> dict:
         model,
         lr=1e-2,
         precision="bf16",
-        quantized_nontrainable_weights=True,
+        quantized_nontrainable_weights=frozen,
         quantized_weights_bits=4,
         quantization_block_size=96,  # blocks that do not divide the shards: padded last blocks
     )
@@ -208,8 +208,11 @@ def _train_int4_bf16(out_dir: str) -> dict:
     return {"logits": logits, "probe": probe}
 
 
-def test_load_for_inference_replays_int4_in_bf16(tmp_path):
-    r = run_distributed(_train_int4_bf16, 2, args=(str(tmp_path),))[0]
+@pytest.mark.parametrize("frozen", [True, "nf4"], ids=["int4", "bitsandbytes-nf4"])
+def test_load_for_inference_replays_int4_in_bf16(tmp_path, frozen):
+    if frozen == "nf4":
+        pytest.importorskip("bitsandbytes")
+    r = run_distributed(_train_int4_bf16, 2, args=(str(tmp_path), frozen))[0]
     base = tiny_llama(0, initializer_range=0.3)
     model = hf_zero.load_for_inference(base, tmp_path)  # dtype "auto": bf16, as trained
     assert next(model.parameters()).dtype == torch.bfloat16
