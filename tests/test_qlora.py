@@ -219,6 +219,24 @@ def test_bf16_losses_identical_across_stages(base_dir, quant):
         assert r[3][-1] < r[3][0], r
 
 
+def _fp16_losses(path: str) -> dict:
+    out = {}
+    for stage in (2, 3):
+        model = load_quantized(path, "nf4-bf16", dtype=torch.float16)
+        engine = _engine(model, stage, precision="fp16", lr=1e-2)
+        out[stage] = (_train(engine, 4, True), engine.skipped_steps, engine.loss_scaler.scale)
+    return out
+
+
+def test_fp16_loss_scaling_over_an_nf4_base(base_dir):
+    """fp16 with dynamic loss scaling: the scaled gradients flow through the 4-bit base's
+    backward, stage 3 equals stage 2 exactly, and the loss falls."""
+    for r in run_distributed(_fp16_losses, 2, args=(base_dir,)):
+        assert r[3] == r[2], r
+        losses, skipped, scale = r[3]
+        assert losses[-1] < 0.8 * losses[0] and skipped == 0 and scale > 1, r
+
+
 # --- bitsandbytes' CPU inference repacking ------------------------------------------------------
 def _grads_after_eval(path: str, evaluate: bool) -> dict:
     out = {}
