@@ -31,7 +31,7 @@ def full_state_dict(
             value = tp.gather_full(value, shard)
         return value.to("cpu", copy=True) if keep else None
 
-    owners = _packed_owners(engine.module)
+    owners = _state_dict_prefixes(engine.module)
     values: dict[int, torch.Tensor] = {}
     extras: dict[str, torch.Tensor] = {}  # quantization state read while gathered
     for group in engine.groups + engine.frozen_groups:
@@ -60,7 +60,7 @@ def full_state_dict(
     return state if keep else {}
 
 
-def _packed_owners(model: torch.nn.Module) -> dict[int, list[str]]:
+def _state_dict_prefixes(model: torch.nn.Module) -> dict[int, list[str]]:
     """Each parameter's state-dict prefixes (``<module>.weight``), by parameter id."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
