@@ -215,8 +215,13 @@ class GroupBuilder:
             key = (pg, self.tp_split(p), packed)
             members.setdefault(owner[id(p)], {}).setdefault(key, []).append(p)
         groups = []
+        unit_modules = {id(u.module) for u in self.units}
         for unit in self.units:
             unshard(unit.module, self.comm, self.topology.dp)  # whole while regrouped
+            if unit.is_root:  # a wrapped partitioned root (PEFT over the model): its own slices
+                for module in self.module.modules():
+                    if id(module) not in unit_modules:
+                        unshard(module, self.comm, self.topology.dp)
             for (pg, _, packed), params in members.get(unit.index, {}).items():
                 group = make(pg, params, 3, packed=packed is not None)
                 unit.groups.append(group)

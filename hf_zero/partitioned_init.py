@@ -201,7 +201,9 @@ def _copy_into_shard(pre: PreShard, slot, flat_values: torch.Tensor) -> None:
 
 
 def preshard_of(module: torch.nn.Module) -> PreShard | None:
-    return getattr(module, "_hf_zero_preshard", None)
+    """The module's own pre-shard (never one found through a wrapper's attribute forwarding:
+    a PEFT model answers for its base model's attributes)."""
+    return module.__dict__.get("_hf_zero_preshard")
 
 
 # ----------------------------------------------------------------------------------------------

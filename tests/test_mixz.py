@@ -208,3 +208,36 @@ def test_mixz_in_bitsandbytes_4bit_formats(kind):
         assert r["worst"] == 0.0, r  # bit for bit what bitsandbytes makes of each shard
         assert r["held"] == r["expected_bytes"], r
         assert r["last"] < 0.8 * r["first"], r
+
+
+def _partitioned_lora(path: str, kind) -> dict:
+    """The same LoRA run on a model built with `partitioned_init()` + `load_partitioned()` (no
+    rank ever holds it whole) and on one loaded whole with ``from_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    out = {}
+    for build in ("whole", "partitioned"):
+        if build == "whole":
+            model = AutoModelForCausalLM.from_pretrained(path)
+        else:
+            with hf_zero.partitioned_init(stage=3):
+                model = LlamaForCausalLM(tiny_llama(0, initializer_range=0.3).config)
+            hf_zero.load_partitioned(model, path)
+        model.requires_grad_(False)
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+        engine = lora_engine(model, lr=1e-2, precision="bf16", quantized_nontrainable_weights=kind)
+        out[build] = train_on_corpus(engine, 4)
+    return out
+
+
+@pytest.mark.parametrize("kind", [False, "nf4"], ids=["bf16", "mixz-nf4"])
+def test_lora_on_a_partitioned_build_equals_a_whole_load(tmp_path, kind):
+    """PEFT wraps the partitioned root (it answers for the base model's attributes): the
+    root's own slices are still found and gathered, and training is exactly the same."""
+    if kind:
+        pytest.importorskip("bitsandbytes")
+    tiny_llama(0, initializer_range=0.3).save_pretrained(tmp_path)
+    for r in run_distributed(_partitioned_lora, 2, args=(str(tmp_path), kind)):
+        assert r["partitioned"] == r["whole"], r
