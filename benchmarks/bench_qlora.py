@@ -5,7 +5,9 @@
 
 ``--load`` measures loading alone: each mode's ``from_pretrained`` in a fresh process, its peak
 RSS against the RSS before loading, and the bytes the loaded model holds (what every rank holds
-today before `initialize` shards it).
+before `initialize` shards it); and, on 2 ranks, a build that never holds the model whole
+(`partitioned_init()` + `load_partitioned()`, LoRA, `initialize` with MixZ++ ``nf4``) up to the
+end of `initialize`.
 
 Each row is one fresh 2-rank gloo group (CPU): a LLaMA-shaped model saved once, loaded with
 ``from_pretrained`` (bf16, or through ``BitsAndBytesConfig`` as NF4 with bf16 storage or as
@@ -118,6 +120,35 @@ def _load_one(path: str, mode: str) -> dict:
     return {"base": mode, "peak_rss_growth": after - before, "model_bytes": held}
 
 
+def _partitioned_rank(path: str) -> dict:
+    """One rank: `partitioned_init()` + `load_partitioned()` + LoRA + `initialize` with MixZ++
+    ``nf4``: the peak RSS growth from before building to the end of `initialize`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_zero
+
+    before = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with hf_zero.partitioned_init(stage=3):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    hf_zero.load_partitioned(model, path)
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear"))
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(adapters), stage=3, precision="bf16",
+        quantized_nontrainable_weights="nf4",
+    )  # fmt: skip
+    report = engine.memory_report()
+    return {
+        "base": "partitioned_init + MixZ++ nf4 (per rank of 2)",
+        "peak_rss_growth": _status_bytes("VmHWM") - before,
+        "model_bytes": report["params"] + report["quantized_params"],
+    }
+
+
 def _load_table(args) -> None:
     import subprocess
 
@@ -139,8 +170,11 @@ def _load_table(args) -> None:
                 [sys.executable, "-c", code], capture_output=True, text=True, check=True
             ).stdout
             rows.append(json.loads(next(x for x in out.splitlines() if x.startswith("ROW"))[3:]))
+        from hf_zero.testing import run_distributed
+
+        rows.append(run_distributed(_partitioned_rank, 2, args=(tmp,), timeout=1800)[0])
     print(f"from_pretrained of {params / 1e6:.0f}M parameters (bf16 on disk), one process each")
-    print("| base | model bytes | peak RSS growth while loading |")
+    print("| base | model bytes (per rank) | peak RSS growth while loading |")
     print("|---|---:|---:|")
     for row in rows:
         print(
