@@ -345,8 +345,8 @@ def _in_private_namespace() -> dict | None:
         return None
     code = (
         f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import test_comm_wire as t\n"
-        # Alone on its loopback, yet on a busy machine TCP can cut a transfer into more, smaller
-        # segments (more header bytes: +6.7% once for a 21 MB all_to_all); measure again then.
+        # Alone on its loopback, a busy machine once still counted 6.7% more bytes than booked
+        # for a 21 MB all_to_all (TCP's packets and ACKs follow timing); measure again then.
         "if __name__ == '__main__': print('RESULT ' + json.dumps(t.measure_loopback(3)))"
     )
     command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"']
