@@ -6,12 +6,12 @@ What is checked, each against something computed in the same run:
 * Bytes: after a training step, every quantized weight gathered on every rank (and what
   ``model.state_dict()`` and ``engine.full_state_dict()`` give, quantization state included) is
   bitwise equal to a fresh load of the same checkpoint, at stages 0-3 and with the stage-3
-  shards on the device, in host memory and in NVMe swap files.
-* Parity: fp32 adapters over a 4-bit base, 2 ranks at stages 0-3 against torch DDP over the
-  same model and batches: losses and adapters to 1e-5 (the base computes in bf16 inside
-  bitsandbytes whatever the engine does; the rest is the fp32 summation-order noise of the
-  other parity tests, measured at < 1e-6 here). bf16: every stage's step-0 loss is identical,
-  and stage 3's 3-step losses equal stage 2's exactly (same kernels on the same values).
+  shards on the device, in host memory, in NVMe swap files, under MixZ++ and with qwZ + hpZ.
+* Parity: fp32 adapters over a 4-bit base (fp32 compute dtype), 2 ranks at stages 0-3 against
+  torch DDP over the same model and batches: losses and adapters to 1e-5 (measured 0.0 on CPU,
+  the same kernels on the same values; the bound is the other fp32 parity tests' room for
+  summation order). bf16: every stage's step-0 loss is identical, and stage 3's 3-step losses
+  equal stage 2's exactly; fp16 with loss scaling likewise.
 * bitsandbytes' CPU inference repacking (AVX512-BF16 CPUs) cannot corrupt training: adapter
   gradients after an evaluation equal a fresh model's.
 
