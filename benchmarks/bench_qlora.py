@@ -2,12 +2,14 @@
 
     python benchmarks/bench_qlora.py [--hidden 512 --layers 4 --steps 100 --out bench_qlora.json]
     python benchmarks/bench_qlora.py --load --hidden 2048 --layers 8
+    python benchmarks/bench_qlora.py --rss --hidden 2048 --layers 8
 
 ``--load`` measures loading alone: each mode's ``from_pretrained`` in a fresh process, its peak
 RSS against the RSS before loading, and the bytes the loaded model holds (what every rank holds
 before `initialize` shards it); and, on 2 ranks, a build that never holds the model whole
 (`partitioned_init()` + `load_partitioned()`, LoRA, `initialize` with MixZ++ ``nf4``) up to the
-end of `initialize`.
+end of `initialize`. ``--rss`` compares, at stage 3 after 3 steps, what the OS says each rank
+holds (VmRSS after returning freed heap pages) with `memory_report()`, across bases.
 
 Each row is one fresh 2-rank gloo group (CPU): a LLaMA-shaped model saved once, loaded with
 ``from_pretrained`` (bf16, or through ``BitsAndBytesConfig`` as NF4 with bf16 storage or as
@@ -122,7 +124,8 @@ def _load_one(path: str, mode: str) -> dict:
 
 def _partitioned_rank(path: str) -> dict:
     """One rank: `partitioned_init()` + `load_partitioned()` + LoRA + `initialize` with MixZ++
-    ``nf4``: the peak RSS growth from before building to the end of `initialize`."""
+        ``nf4``: the peak RSS growth from before building to the end of `initialize`. ``--rss`` compares, at stage 3 after 3 steps, what the OS says each rank
+    holds (VmRSS after returning freed heap pages) with `memory_report()`, across bases."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -147,6 +150,60 @@ def _partitioned_rank(path: str) -> dict:
         "peak_rss_growth": _status_bytes("VmHWM") - before,
         "model_bytes": report["params"] + report["quantized_params"],
     }
+
+
+def _rss_rank(path: str, mode: str, steps: int) -> dict:
+    """One rank: load, 3 stage-3 steps, then this process's resident memory (after returning
+    freed heap pages) against `memory_report()`'s device total."""
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero import host_memory
+    from hf_zero.tiny import token_batches
+
+    model = _load(path, mode)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    mixz = {"mixz-int8": True, "mixz-nf4": "nf4"}.get(mode, False)
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(adapters), stage=3, precision="bf16",
+        quantized_nontrainable_weights=mixz,
+    )  # fmt: skip
+    batches = token_batches(32, 2, dist.get_rank(), dist.get_world_size(), seed=0)
+    for _ in range(steps):
+        x = next(batches)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.zero_grad()
+    import gc
+
+    gc.collect()
+    host_memory.trim()
+    report = engine.memory_report()
+    return {"base": mode, "rss": _status_bytes("VmRSS"), "report_total": report["total"]}
+
+
+def _rss_table(args) -> None:
+    from hf_zero.testing import run_distributed
+    from hf_zero.tiny import tiny_llama
+
+    shape = llama_shape(args.hidden, args.layers, 256, 128)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_llama(0, **shape).to(torch.bfloat16).save_pretrained(tmp)
+        for mode in ("bf16", "nf4", "mixz-nf4"):
+            rows.append(run_distributed(_rss_rank, 2, args=(tmp, mode, 3), timeout=1800)[0])
+    ref = rows[0]
+    print(f"stage 3, 2 ranks, hidden {args.hidden} x {args.layers} layers, after 3 steps (rank 0)")
+    print("| base | RSS | memory_report total | RSS saved vs bf16 | report saved vs bf16 |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['base']} | {row['rss'] / 2**20:.0f} MiB | "
+            f"{row['report_total'] / 2**20:.0f} MiB | "
+            f"{(ref['rss'] - row['rss']) / 2**20:.0f} MiB | "
+            f"{(ref['report_total'] - row['report_total']) / 2**20:.0f} MiB |"
+        )
+    Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 def _load_table(args) -> None:
@@ -194,9 +251,12 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", default="bench_qlora.json")
     parser.add_argument("--load", action="store_true", help="measure loading alone")
+    parser.add_argument("--rss", action="store_true", help="resident memory after training")
     args = parser.parse_args(argv)
     if args.load:
         return _load_table(args)
+    if args.rss:
+        return _rss_table(args)
     shape = llama_shape(args.hidden, args.layers, 256, 128)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
