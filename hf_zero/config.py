@@ -13,17 +13,15 @@ file that does not parse (with its line). Every field below has an effect.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-AUTO = "auto"
+from hf_zero.config_checks import AUTO, at_least, frozen_storage, int_or_auto, one_of
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -97,7 +95,7 @@ class ZeroConfig:
     """Training on CPU: ``"release"`` gives freed memory back to the OS after each step (lower
     RSS); ``"reuse"`` keeps it for the next step, skipping its page faults (faster)."""
 
-    # --- offload (issue 4) -------------------------------------------------------------------
+    # --- offload -----------------------------------------------------------------------------
     offload_optimizer: str = "none"
     offload_optimizer_fast_kernel: bool = True
     """Offload: step torch Adam/AdamW with torch's fused CPU kernel, tile by tile (fast; equal to
@@ -106,7 +104,7 @@ class ZeroConfig:
     offload_param: str = "none"
     """Stage 3: where parameter shards live between gathers: device ("none"), "cpu", "nvme"."""
 
-    # --- ZeRO-Infinity NVMe tiers (issue 18) ------------------------------------------------
+    # --- ZeRO-Infinity NVMe tiers ------------------------------------------------------------
     nvme_path: str | None = None
     """Directory for swap files (a local NVMe disk) when either offload device is "nvme"; each
     run uses its own sub-directory there, removed when the process ends."""
@@ -121,7 +119,7 @@ class ZeroConfig:
     nvme_io_threads: int = 4
     """Threads doing swap-file I/O per rank (DeepSpeed ``aio.thread_count``)."""
 
-    # --- ZeRO-3 knobs (issue 3) --------------------------------------------------------------
+    # --- ZeRO-3 knobs ------------------------------------------------------------------------
     prefetch_bucket_size: int | str = AUTO
     """Stage 3: elements gathered ahead of use along the traced order ("auto": 0.9 h^2)."""
     param_persistence_threshold: int | str = AUTO
@@ -131,7 +129,7 @@ class ZeroConfig:
     """Stage 3: check at every module entry that all ranks run the same module (one tiny
     all-gather each), so rank-dependent control flow raises instead of deadlocking."""
 
-    # --- ZeRO++ and MixZ++ (issues 7, 8) -----------------------------------------------------
+    # --- ZeRO++ and MixZ++ -------------------------------------------------------------------
     quantized_weights: bool = False
     """ZeRO++ qwZ (stage 3): parameters are all-gathered as blockwise INT8 plus fp32 scales."""
     quantized_weights_bits: int = 8
@@ -303,20 +301,20 @@ class ZeroConfig:
     # --- validation --------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ``ValueError`` naming the key, the value and what is allowed."""
-        _one_of("stage", self.stage, STAGES)
-        _one_of("precision", self.precision, (*PRECISIONS, AUTO))
-        _one_of("communication_data_type", self.communication_data_type, COMM_DTYPES)
-        _one_of("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
-        _one_of("offload_param", self.offload_param, OFFLOAD_DEVICES)
-        _one_of("host_memory", self.host_memory, ("release", "reuse"))
-        _at_least("loss_scale", self.loss_scale, 0.0)
-        _at_least("initial_scale_power", self.initial_scale_power, 0)
-        _at_least("loss_scale_window", self.loss_scale_window, 1)
-        _at_least("hysteresis", self.hysteresis, 1)
-        _at_least("min_loss_scale", self.min_loss_scale, 0.0)
+        one_of("stage", self.stage, STAGES)
+        one_of("precision", self.precision, (*PRECISIONS, AUTO))
+        one_of("communication_data_type", self.communication_data_type, COMM_DTYPES)
+        one_of("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
+        one_of("offload_param", self.offload_param, OFFLOAD_DEVICES)
+        one_of("host_memory", self.host_memory, ("release", "reuse"))
+        at_least("loss_scale", self.loss_scale, 0.0)
+        at_least("initial_scale_power", self.initial_scale_power, 0)
+        at_least("loss_scale_window", self.loss_scale_window, 1)
+        at_least("hysteresis", self.hysteresis, 1)
+        at_least("min_loss_scale", self.min_loss_scale, 0.0)
         if self.gradient_clipping != AUTO:
-            _at_least("gradient_clipping", self.gradient_clipping, 0.0)
-        int_or_auto = {
+            at_least("gradient_clipping", self.gradient_clipping, 0.0)
+        int_minimums = {
             "gradient_accumulation_steps": 1,
             "reduce_bucket_size": 1,
             "train_micro_batch_size_per_gpu": 1,
@@ -324,16 +322,16 @@ class ZeroConfig:
             "prefetch_bucket_size": 0,
             "param_persistence_threshold": 0,
         }
-        for name, minimum in int_or_auto.items():
+        for name, minimum in int_minimums.items():
             value = getattr(self, name)
             if value is not None or name not in (
                 "train_micro_batch_size_per_gpu",
                 "train_batch_size",
             ):
-                setattr(self, name, _int_or_auto(name, value, minimum))
+                setattr(self, name, int_or_auto(name, value, minimum))
         if isinstance(self.max_live_parameters, float) and self.max_live_parameters.is_integer():
             self.max_live_parameters = int(self.max_live_parameters)  # DeepSpeed files write 1e9
-        _at_least("max_live_parameters", self.max_live_parameters, 1)
+        at_least("max_live_parameters", self.max_live_parameters, 1)
         for name in ("native_collectives", "offload_optimizer_fast_kernel", "overlap_comm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
@@ -345,33 +343,24 @@ class ZeroConfig:
                 "true or false"
             )
         if self.hpz_partition_size != AUTO:
-            self.hpz_partition_size = _int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
-        _one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
-        frozen = self.quantized_nontrainable_weights
-        if isinstance(frozen, str) and frozen.lower() in ("true", "false", "int8"):
-            frozen = frozen.lower() != "false"
-        if not (isinstance(frozen, bool) or frozen in ("nf4", "fp4")):
-            raise ValueError(
-                f"zero config: 'quantized_nontrainable_weights' = {frozen!r} is not allowed; "
-                "expected true/false, 'int8' (hf_zero's INT8 blocks), 'nf4' or 'fp4' "
-                "(bitsandbytes' 4-bit formats)"
-            )
-        self.quantized_nontrainable_weights = frozen
-        _one_of("quantized_gradients_bits", self.quantized_gradients_bits, (8, 4))
-        _at_least("quantization_block_size", self.quantization_block_size, 2)
+            self.hpz_partition_size = int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
+        one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
+        self.quantized_nontrainable_weights = frozen_storage(self.quantized_nontrainable_weights)
+        one_of("quantized_gradients_bits", self.quantized_gradients_bits, (8, 4))
+        at_least("quantization_block_size", self.quantization_block_size, 2)
         if self.quantization_block_size % 2:
             raise ValueError(
                 f"zero config: 'quantization_block_size' = {self.quantization_block_size} must "
                 "be even (INT4 packs two values per byte)"
             )
-        _at_least("tp_size", self.tp_size, 1)
+        at_least("tp_size", self.tp_size, 1)
         if self.tp_plan is not None and not isinstance(self.tp_plan, (str, Mapping)):
             raise ValueError(
                 f"zero config: 'tp_plan' = {self.tp_plan!r} must be a preset name or a mapping of "
                 "module-name regexes to styles"
             )
         if self.node_size is not None:
-            _at_least("node_size", self.node_size, 1)
+            at_least("node_size", self.node_size, 1)
         if self.optimizer is not None and not isinstance(self.optimizer, Mapping):
             raise ValueError(
                 f"zero config: 'optimizer' = {self.optimizer!r} must be a mapping like "
@@ -410,12 +399,12 @@ class ZeroConfig:
                     f"'{tier}_nvme_path'): a directory on a fast local disk"
                 )
         for name in ("offload_param_buffer_count", "offload_optimizer_buffer_count"):
-            _at_least(name, getattr(self, name), 1)
-        _at_least("nvme_io_threads", self.nvme_io_threads, 1)
-        _at_least("pp_size", self.pp_size, 1)
-        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+            at_least(name, getattr(self, name), 1)
+        at_least("nvme_io_threads", self.nvme_io_threads, 1)
+        at_least("pp_size", self.pp_size, 1)
+        one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_microbatches is not None:
-            _at_least("pp_microbatches", self.pp_microbatches, 1)
+            at_least("pp_microbatches", self.pp_microbatches, 1)
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
@@ -474,37 +463,3 @@ def _suggest(key: str, options: set[str]) -> str:
     from hf_zero.deepspeed_config import suggest
 
     return suggest(key, options)
-
-
-def _one_of(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed or isinstance(value, bool):
-        shown = ", ".join(repr(a) for a in allowed)
-        raise ValueError(
-            f"zero config: '{name}' = {value!r} is not allowed; expected one of {shown}"
-        )
-
-
-def _at_least(name: str, value: Any, minimum: float) -> None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_number or math.isnan(value) or value < minimum:
-        kind = "an integer" if isinstance(minimum, int) else "a number"
-        raise ValueError(f"zero config: '{name}' = {value!r} must be {kind} >= {minimum}")
-    if isinstance(minimum, int) and not isinstance(value, int):
-        raise ValueError(f"zero config: '{name}' = {value!r} must be an integer >= {minimum}")
-
-
-def _int_or_auto(name: str, value: Any, minimum: int) -> int | str:
-    """Validate and normalise: DeepSpeed files often write sizes as floats like ``5e8``."""
-    if value == AUTO:
-        return value
-    if isinstance(value, str):
-        # YAML 1.1 reads "5e7" as a string.
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(
-            f"zero config: '{name}' = {value!r} must be an integer >= {minimum} or 'auto'"
-        )
-    return value
