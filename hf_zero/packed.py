@@ -100,7 +100,7 @@ class PackedViews:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.dtypes = [p.dtype for p in params]
         self.shapes = [tuple(p.shape) for p in params]
-        scales = [_absmax(p) for p in params]
+        scales = [quant_state_tensors(p).get("absmax") for p in params]
         self.scale_specs = [None if a is None else (a.dtype, tuple(a.shape)) for a in scales]
 
     def byte_shapes(self) -> list[tuple[int]]:
@@ -144,12 +144,6 @@ class PackedViews:
     def _scale_bytes(self, i: int) -> int:
         spec = self.scale_specs[i]
         return 0 if spec is None else _padded(_nbytes(*spec))
-
-
-def _absmax(param: torch.Tensor) -> torch.Tensor | None:
-    state = getattr(param, "quant_state", None)
-    absmax = getattr(state, "absmax", None)
-    return absmax if torch.is_tensor(absmax) else None
 
 
 def prepare_int8_module(module: torch.nn.Module) -> None:
