@@ -2,13 +2,15 @@
 
     python benchmarks/bench_qlora.py [--hidden 512 --layers 4 --steps 100 --out bench_qlora.json]
     python benchmarks/bench_qlora.py --load --hidden 2048 --layers 8
+    python benchmarks/bench_qlora.py --load --partitioned-only --load-modes nf4 --layers 16 ...
     python benchmarks/bench_qlora.py --rss --hidden 2048 --layers 8
 
-``--load`` measures loading alone: each mode's ``from_pretrained`` in a fresh process, its peak
-RSS against the RSS before loading, and the bytes the loaded model holds (what every rank holds
-before `initialize` shards it); and, on 2 ranks, a build that never holds the model whole
-(`partitioned_init()` + `load_partitioned()`, LoRA, `initialize` with MixZ++ ``nf4``) up to the
-end of `initialize`. ``--rss`` compares, at stage 3 after 3 steps, what the OS says each rank
+``--load`` measures loading alone: each mode's whole ``from_pretrained`` in a fresh process (what
+every rank holds before `initialize` shards it), and on 2 ranks the same ``from_pretrained``
+inside `partitioned_init()` (each weight sliced as it loads), and a build from the config
+(`partitioned_init()` + `load_partitioned()`, LoRA, `initialize` with MixZ++ ``nf4``): the bytes
+of weights held per rank, the peak RSS growth, and the peak growth of anonymous memory (without
+the memory-mapped checkpoint's pages). ``--rss`` compares, at stage 3 after 3 steps, what the OS says each rank
 holds (VmRSS after returning freed heap pages) with `memory_report()`, across bases.
 
 Each row is one fresh 2-rank gloo group (CPU): a LLaMA-shaped model saved once, loaded with
@@ -103,51 +105,108 @@ def _status_bytes(key: str) -> int:
     return int(line.split()[1]) * 1024
 
 
+class _Peaks:
+    """Peak RSS growth while the block runs: VmHWM (reset at the start) and, sampled every
+    2 ms, the anonymous part (RssAnon: what the process itself allocated, without the pages of
+    memory-mapped checkpoint files, which the kernel can drop and ranks on a node share)."""
+
+    def __enter__(self):
+        import gc
+        import threading
+
+        gc.collect()
+        self.rss0, self.anon0 = _status_bytes("VmRSS"), _status_bytes("RssAnon")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS: what imports used is not ours
+        self.anon_peak, self._stop = self.anon0, threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.002):
+                self.anon_peak = max(self.anon_peak, _status_bytes("RssAnon"))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.anon_peak = max(self.anon_peak, _status_bytes("RssAnon"))
+        self.rss_growth = _status_bytes("VmHWM") - self.rss0
+        self.anon_growth = self.anon_peak - self.anon0
+
+
+def _held_bytes(model) -> int:
+    """Bytes of weights (values, codes, quantization state) this rank's ``model`` holds."""
+    from hf_zero.packed import is_packed, packed_bytes
+    from hf_zero.partitioned_load import slice_of
+
+    total = 0
+    for p in dict.fromkeys(model.parameters()):
+        total += packed_bytes(p) if is_packed(p) else p.numel() * p.element_size()
+        if slice_of(p) is not None:
+            total += slice_of(p).shard.nbytes
+    return total
+
+
 def _load_one(path: str, mode: str) -> dict:
     """In a fresh process: ``from_pretrained`` alone, peak RSS growth and the model's bytes."""
-    import gc
+    with _Peaks() as peaks:
+        model = _load(path, mode)
+    return {
+        "base": f"{mode} from_pretrained",
+        "peak_rss_growth": peaks.rss_growth,
+        "peak_anon_growth": peaks.anon_growth,
+        "model_bytes": _held_bytes(model),
+    }
 
-    from hf_zero.packed import is_packed, packed_bytes
 
-    gc.collect()
-    before = _status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current RSS: what imports used is not ours
-    model = _load(path, mode)
-    after = _status_bytes("VmHWM")
-    held = sum(
-        packed_bytes(p) if is_packed(p) else p.numel() * p.element_size()
-        for p in model.parameters()
-    )
-    return {"base": mode, "peak_rss_growth": after - before, "model_bytes": held}
+def _partitioned_load_rank(path: str, mode: str) -> dict:
+    """One rank: ``from_pretrained`` inside `partitioned_init()` (each weight read, quantized
+    for a bitsandbytes mode, and sliced as it loads), then LoRA and `initialize` (stage 3)."""
+    import hf_zero
+
+    with _Peaks() as loading, hf_zero.partitioned_init(stage=3):
+        model = _load(path, mode)
+    held = _held_bytes(model)
+    with _Peaks() as wrapping:
+        adapters = [p for p in model.parameters() if p.requires_grad]
+        engine = hf_zero.initialize(model, torch.optim.AdamW(adapters), stage=3, precision="bf16")
+    report = engine.memory_report()
+    return {
+        "base": f"{mode} from_pretrained inside partitioned_init (per rank of 2)",
+        "peak_rss_growth": loading.rss_growth,
+        "peak_anon_growth": loading.anon_growth,
+        "model_bytes": held,
+        "initialize_anon_growth": wrapping.anon_growth,
+        "engine_bytes": report["params"] + report["quantized_params"],
+    }
 
 
 def _partitioned_rank(path: str) -> dict:
     """One rank: `partitioned_init()` + `load_partitioned()` + LoRA + `initialize` with MixZ++
-        ``nf4``: the peak RSS growth from before building to the end of `initialize`. ``--rss`` compares, at stage 3 after 3 steps, what the OS says each rank
-    holds (VmRSS after returning freed heap pages) with `memory_report()`, across bases."""
+    ``nf4``: the peak RSS growth from before building to the end of `initialize`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import hf_zero
 
-    before = _status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    with hf_zero.partitioned_init(stage=3):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    hf_zero.load_partitioned(model, path)
-    model.requires_grad_(False)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear"))
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    engine = hf_zero.initialize(
-        model, torch.optim.AdamW(adapters), stage=3, precision="bf16",
-        quantized_nontrainable_weights="nf4",
-    )  # fmt: skip
+    with _Peaks() as peaks:
+        with hf_zero.partitioned_init(stage=3):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        hf_zero.load_partitioned(model, path)
+        model.requires_grad_(False)
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear"))
+        adapters = [p for p in model.parameters() if p.requires_grad]
+        engine = hf_zero.initialize(
+            model, torch.optim.AdamW(adapters), stage=3, precision="bf16",
+            quantized_nontrainable_weights="nf4",
+        )  # fmt: skip
     report = engine.memory_report()
     return {
-        "base": "partitioned_init + MixZ++ nf4 (per rank of 2)",
-        "peak_rss_growth": _status_bytes("VmHWM") - before,
+        "base": "partitioned_init + load_partitioned + initialize, MixZ++ nf4 (per rank of 2)",
+        "peak_rss_growth": peaks.rss_growth,
+        "peak_anon_growth": peaks.anon_growth,
         "model_bytes": report["params"] + report["quantized_params"],
     }
 
@@ -209,6 +268,7 @@ def _rss_table(args) -> None:
 def _load_table(args) -> None:
     import subprocess
 
+    from hf_zero.testing import run_distributed
     from hf_zero.tiny import tiny_llama
 
     shape = llama_shape(args.hidden, args.layers, 256, 128)
@@ -218,7 +278,8 @@ def _load_table(args) -> None:
         params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp)
         del model
-        for mode in ("bf16", "nf4", "int8"):
+        modes = args.load_modes.split(",")
+        for mode in [] if args.partitioned_only else modes:
             code = (
                 "import json, sys; sys.path.insert(0, 'benchmarks'); import bench_qlora as b; "
                 f"print('ROW' + json.dumps(b._load_one({tmp!r}, {mode!r})))"
@@ -227,17 +288,27 @@ def _load_table(args) -> None:
                 [sys.executable, "-c", code], capture_output=True, text=True, check=True
             ).stdout
             rows.append(json.loads(next(x for x in out.splitlines() if x.startswith("ROW"))[3:]))
-        from hf_zero.testing import run_distributed
-
-        rows.append(run_distributed(_partitioned_rank, 2, args=(tmp,), timeout=1800)[0])
-    print(f"from_pretrained of {params / 1e6:.0f}M parameters (bf16 on disk), one process each")
-    print("| base | model bytes (per rank) | peak RSS growth while loading |")
-    print("|---|---:|---:|")
+        for mode in modes:
+            ranks = run_distributed(_partitioned_load_rank, 2, args=(tmp, mode), timeout=1800)
+            rows.append(ranks[0])
+        if not args.partitioned_only:
+            rows.append(run_distributed(_partitioned_rank, 2, args=(tmp,), timeout=1800)[0])
+    print(f"from_pretrained of {params / 1e6:.0f}M parameters (bf16 on disk), rank 0 of each")
+    print("| load | weights held per rank | peak RSS growth | peak anonymous growth |")
+    print("|---|---:|---:|---:|")
     for row in rows:
         print(
             f"| {row['base']} | {row['model_bytes'] / 2**20:.0f} MiB | "
-            f"{row['peak_rss_growth'] / 2**20:.0f} MiB |"
+            f"{row['peak_rss_growth'] / 2**20:.0f} MiB | "
+            f"{row['peak_anon_growth'] / 2**20:.0f} MiB |"
         )
+    for row in rows:
+        if "initialize_anon_growth" in row:
+            print(
+                f"{row['base']}: initialize (gathers one unit at a time) grows anonymous memory "
+                f"by {row['initialize_anon_growth'] / 2**20:.0f} MiB; the engine then holds "
+                f"{row['engine_bytes'] / 2**20:.0f} MiB of weights"
+            )
     Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
@@ -252,6 +323,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench_qlora.json")
     parser.add_argument("--load", action="store_true", help="measure loading alone")
     parser.add_argument("--rss", action="store_true", help="resident memory after training")
+    parser.add_argument("--load-modes", default="bf16,nf4,int8", help="--load: bases to load")
+    parser.add_argument(
+        "--partitioned-only", action="store_true", help="--load: only partitioned loads"
+    )
     args = parser.parse_args(argv)
     if args.load:
         return _load_table(args)

@@ -30,6 +30,7 @@ from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
 from hf_zero.stage3_state_dict import StateDictHooks, mark_whole_shapes
+from hf_zero.stage3_units import true_numel
 from hf_zero.topology import Topology, current_device, hpz_size
 from hf_zero.tp import PRESETS, TensorParallel, resolve_plan
 
@@ -219,7 +220,7 @@ class ZeroEngine:
     # --- construction ------------------------------------------------------------------------
     def _apply_tensor_parallel(self, optimizer: torch.optim.Optimizer) -> None:
         """Split the planned modules over the TP group (AutoTP) and re-point the optimizer."""
-        if any(getattr(p, "_hf_zero_slot", None) is not None for p in self.module.parameters()):
+        if any(true_numel(p) != p.numel() for p in self.module.parameters()):
             raise NotImplementedError(
                 "hf_zero AutoTP: a partitioned_init() model holds only data-parallel slices, "
                 "which tensor parallelism cannot split again; build the model normally (or load "

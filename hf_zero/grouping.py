@@ -20,6 +20,7 @@ from hf_zero.flat_group import FlatParamGroup
 from hf_zero.packed import is_int8_linear, is_packed, prepare_int8_module
 from hf_zero.partition import bucket_params
 from hf_zero.partitioned_init import unshard
+from hf_zero.partitioned_load import slice_of, unshard_params
 from hf_zero.precision import dtype_of
 from hf_zero.stage3 import Unit, assign_params_to_units, find_units
 from hf_zero.stage3_units import true_numel
@@ -163,6 +164,8 @@ class GroupBuilder:
         else:
             for module in self.module.modules():
                 unshard(module, self.comm, self.topology.dp)  # whole under stages 0-2
+            sliced = [p for p in dict.fromkeys(self.module.parameters()) if slice_of(p) is not None]
+            unshard_params(sliced, self.comm, self.topology.dp)
             replicated, groups = trainable, []
         # Gradients become ready roughly in reverse order of registration.
         # Buckets never mix TP-split and replicated parameters (their norms add differently).
@@ -214,10 +217,15 @@ class GroupBuilder:
             packed = p.dtype if is_packed(p) else None
             key = (pg, self.tp_split(p), packed)
             members.setdefault(owner[id(p)], {}).setdefault(key, []).append(p)
+        sliced: dict[int, list] = {}  # a partitioned from_pretrained's slices, by unit
+        for p in dict.fromkeys(self.module.parameters()):
+            if slice_of(p) is not None:
+                sliced.setdefault(owner[id(p)], []).append(p)
         groups = []
         unit_modules = {id(u.module) for u in self.units}
         for unit in self.units:
             unshard(unit.module, self.comm, self.topology.dp)  # whole while regrouped
+            unshard_params(sliced.get(unit.index, []), self.comm, self.topology.dp)
             if unit.is_root:  # a wrapped partitioned root (PEFT over the model): its own slices
                 for module in self.module.modules():
                     if id(module) not in unit_modules:

@@ -10,6 +10,9 @@ then adopts the slices, gathering one unit at a time to build its groups.
         model = AutoModelForCausalLM.from_config(config)
     hf_zero.load_partitioned(model, "path/to/checkpoint")   # optional
     engine = hf_zero.initialize(model, optimizer, stage=3)
+
+A ``from_pretrained`` inside the block (with or without a bitsandbytes ``quantization_config``)
+keeps each weight's slice as it loads (`hf_zero.partitioned_load`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from safetensors import safe_open
 from hf_zero import host_memory
 from hf_zero.config import ZeroConfig
 from hf_zero.partition import FlatLayout
+from hf_zero.partitioned_load import PretrainedSlicer
 from hf_zero.stage3 import assign_params_to_units, find_units
 from hf_zero.topology import current_device, init_distributed
 
@@ -62,7 +66,8 @@ class PreShard:
 def partitioned_init(
     config: ZeroConfig | dict | str | None = None, **overrides
 ) -> Iterator[list[torch.nn.Module]]:
-    """Models built in the block come out with their large parameters already sharded.
+    """Models built (``from_config``, ``Model(config)``) or loaded (``from_pretrained``, also
+    through bitsandbytes) in the block come out with their large parameters already sharded.
 
     Collective: every data-parallel rank must build the same model. Yields the list the built
     root modules are appended to. ``param_persistence_threshold`` (from ``config``) decides which
@@ -76,7 +81,11 @@ def partitioned_init(
     children: set[int] = set()
     order: list[torch.nn.Module] = []
 
+    slicer = PretrainedSlicer(cfg)
+
     def on_module(module, name, submodule):
+        if slicer.active:
+            return  # a from_pretrained model: sliced as it loads
         for m in (module, submodule):
             if id(m) not in parents:
                 parents[id(m)] = m
@@ -84,7 +93,7 @@ def partitioned_init(
         children.add(id(submodule))
 
     def on_param(module, name, param):
-        if id(module) not in parents:
+        if not slicer.active and id(module) not in parents:
             parents[id(module)] = module
             order.append(module)
 
@@ -94,14 +103,15 @@ def partitioned_init(
     ]
     roots: list[torch.nn.Module] = []
     try:
-        with torch.device("meta"):
+        with slicer.patched(), torch.device("meta"):
             yield roots
     finally:
         for hook in hooks:
             hook.remove()
-    roots += [m for m in order if id(m) not in children]
-    for root in roots:
+    built = [m for m in order if id(m) not in children]
+    for root in built:
         partition_module(root, cfg)
+    roots += built + slicer.loaded
 
 
 def partition_module(root: torch.nn.Module, config: ZeroConfig) -> None:

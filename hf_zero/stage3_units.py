@@ -28,6 +28,9 @@ def true_numel(param: torch.Tensor) -> int:
     slot = getattr(param, "_hf_zero_slot", None)
     if slot is not None:
         return slot[1].numel
+    piece = param.__dict__.get("_hf_zero_slice")  # a partitioned from_pretrained's slice
+    if piece is not None:
+        return piece.numel
     numel = getattr(param, "ds_numel", None)
     return numel if numel is not None else param.numel()
 

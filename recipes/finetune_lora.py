@@ -20,10 +20,12 @@ with the adapter merged in (a plain model for ``from_pretrained``; under MixZ++ 
 the dequantized INT8 weights the adapter was trained against).
 
 QLoRA: ``--quantization nf4`` (or ``fp4``, ``int8``) loads the base through bitsandbytes (as
-``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))``); its codes are sharded
-and gathered as bytes at every stage, and MixZ++ is not switched on by default (the base is quantized already; its embeddings and
-norms stay as loaded). The adapter reloads
-on a base loaded with the same ``BitsAndBytesConfig``; a merged export dequantizes the base.
+``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))``; under ZeRO-3 inside
+``hf_zero.partitioned_init()``, so each rank keeps only its slice of each weight as it loads);
+its codes are sharded and gathered as bytes at every stage, and MixZ++ is not switched on by
+default (the base is quantized already; its embeddings and norms stay as loaded). The adapter
+reloads on a base loaded with the same ``BitsAndBytesConfig``; a merged export dequantizes the
+base.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from recipe_utils import (
     check_model_source,
     load_model_and_tokenizer,
     load_quantized_base,
+    load_tokenizer,
     make_lm_dataset,
     save_embedded_base,
     train_and_save,
@@ -97,12 +100,16 @@ def main(argv=None) -> None:
     if mixz and args.zero.stage == 3 and not args.zero_setting_given(key):
         args.zero = args.zero.replace(**{key: True})
 
-    model, tokenizer = load_model_and_tokenizer(script.model_name_or_path, seed=args.seed)
-    with args.main_process_first(desc="saving the base"):  # rank 0 writes, then all read
-        if script.model_name_or_path is None:  # adapter_config.json must name a loadable base
-            save_embedded_base(model, tokenizer, args)
-        if script.quantization != "none":
-            model = load_quantized_base(model, script.quantization, args)
+    source = script.model_name_or_path
+    if script.quantization != "none" and source is not None:
+        tokenizer = load_tokenizer(source)  # the 16-bit model is never loaded whole
+    else:
+        model, tokenizer = load_model_and_tokenizer(source, seed=args.seed)
+        with args.main_process_first(desc="saving the base"):  # rank 0 writes, then all read
+            if source is None:  # adapter_config.json must name a loadable base
+                source = save_embedded_base(model, tokenizer, args)
+    if script.quantization != "none":
+        model = load_quantized_base(source, script.quantization, args)
     targets = script.lora_target_modules
     lora = LoraConfig(
         r=script.lora_r,

@@ -48,23 +48,38 @@ def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):
     embeddings then span a wide enough range of logits for LoRA adapters alone to learn the
     text in a CPU demo. A real run starts from pretrained weights instead.
     """
+    tokenizer = load_tokenizer(model_name_or_path)
     if model_name_or_path is None:
-        tokenizer = tiny_tokenizer()
         return tiny_llama(seed=seed, vocab_size=len(tokenizer), initializer_range=0.3), tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_name_or_path), tokenizer
+
+
+def load_tokenizer(model_name_or_path: str | None):
+    """The model's tokenizer (a pad token added if it has none), or the embedded one."""
+    if model_name_or_path is None:
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(model_name_or_path), tokenizer
+    return tokenizer
 
 
-def load_quantized_base(model, quantization: str, args):
-    """``model``'s weights loaded again through bitsandbytes (QLoRA): ``nf4``/``fp4`` with 4-bit
+def load_quantized_base(source: str, quantization: str, args):
+    """The model at ``source`` loaded through bitsandbytes (QLoRA): ``nf4``/``fp4`` with 4-bit
     codes stored in the compute dtype (``bnb_4bit_quant_storage``, what ZeRO-3/FSDP recipes
-    use), or ``int8``. The compute dtype follows ``--bf16``/``--fp16`` (else fp32)."""
+    use), or ``int8``. The compute dtype follows ``--bf16``/``--fp16`` (else fp32). Under ZeRO-3
+    it loads inside `hf_zero.partitioned_init()`: each weight is quantized as it is read and
+    every rank keeps only its slice, so no rank holds the whole model, 16-bit or quantized."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    import hf_zero
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if quantization == "int8":
@@ -76,12 +91,10 @@ def load_quantized_base(model, quantization: str, args):
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_storage=dtype,
         )
-    source = model.name_or_path
-    quantized = AutoModelForCausalLM.from_pretrained(
-        source, quantization_config=config, dtype=dtype
-    )
-    quantized.name_or_path = source
-    return quantized
+    stage3 = args.zero.stage == 3
+    build = hf_zero.partitioned_init(args.zero) if stage3 else contextlib.nullcontext()
+    with build:
+        return AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=dtype)
 
 
 def save_embedded_base(model, tokenizer, args) -> str:

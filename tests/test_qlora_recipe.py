@@ -62,6 +62,8 @@ def test_qlora_recipe_trains_and_reloads_exactly(tmp_path, quant, stage):
         "--save_strategy", "no", "--merged_output_dir", str(merged),
     )  # fmt: skip
     assert f"hf_zero: stage {stage} over 2" in log and "MixZ++" not in log
+    # Stage 3 loads the base inside partitioned_init: each rank keeps only its slices.
+    assert ("from_pretrained inside partitioned_init" in log) == (stage == "3"), log[-3000:]
     losses = [e["loss"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
     assert losses[-1] < 0.8 * losses[0], losses
     trained = torch.load(out / "probe_logits.pt")
@@ -92,12 +94,22 @@ def test_qlora_recipe_trains_and_reloads_exactly(tmp_path, quant, stage):
 
 
 def test_qlora_recipe_resumes_exactly(tmp_path):
-    """Stage 3 over an NF4 base, checkpoints every 10 steps; a second run resumed from
-    checkpoint-10 logs the same losses for steps 15 and 20 as the uninterrupted run."""
+    """Stage 3 over an NF4 base given by path (loaded straight into each rank's slices, no
+    16-bit copy first), checkpoints every 10 steps; a second run resumed from checkpoint-10
+    logs the same losses for steps 15 and 20 as the uninterrupted run."""
+    from recipe_utils import load_model_and_tokenizer
+
+    base = tmp_path / "base"
+    model, tokenizer = load_model_and_tokenizer(None, seed=0)
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
     out = tmp_path / "out"
     flags = ["--zero_stage", "3", "--quantization", "nf4", "--output_dir", str(out)]
+    flags += ["--model_name_or_path", str(base)]
     flags += ["--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "5"]
-    _launch(*flags, steps=20)
+    log = _launch(*flags, steps=20)
+    assert "from_pretrained inside partitioned_init" in log, log[-3000:]
+    assert not (out / "base_model").exists()  # the base is the given path, not a copy
     history = json.loads((out / "log_history.json").read_text())
     full = {e["step"]: e["loss"] for e in history if "loss" in e}
     _launch(*flags, "--resume_from_checkpoint", str(out / "checkpoint-10"), steps=20)
