@@ -19,13 +19,14 @@ from the model's own weights.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import shutil
 import socket
-import struct
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,33 +34,23 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hf_zero.checkpoint_read import (
+    FORMAT_VERSION,
+    MARKER,
+    META,
+    ShardReader,
+    is_complete,
+    read_meta,
+    shard_file,
+)
 from hf_zero.checkpoint_stream import Piece, write_streamed
+from hf_zero.disk_space import no_space_error
 from hf_zero.topology import Group, current_device
 
 if TYPE_CHECKING:
     from hf_zero.comm import Collectives
     from hf_zero.engine import ZeroEngine
     from hf_zero.flat_group import FlatParamGroup
-
-FORMAT_VERSION = 2
-META = "zero_meta.json"
-MARKER = "COMPLETE"
-
-
-def shard_file(dp_rank: int, tp_rank: int = 0, tp_size: int = 1) -> str:
-    """One data-parallel rank's file (with AutoTP, of one tensor-parallel rank)."""
-    if tp_size == 1:
-        return f"zero_rank{dp_rank:05d}.safetensors"
-    return f"zero_tp{tp_rank:02d}_rank{dp_rank:05d}.safetensors"
-
-
-def is_complete(directory: str | Path) -> bool:
-    return (Path(directory) / MARKER).is_file()
-
-
-# ----------------------------------------------------------------------------------------------
-# saving
-# ----------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(
@@ -71,9 +62,16 @@ def save_checkpoint(
     rank = engine.topology.rank
     make_shared_tmp(tmp, directory, engine.comm)
     topo = engine.topology
-    _write_safetensors(
-        _rank_pieces(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
-    )
+    try:
+        _write_safetensors(
+            _rank_pieces(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
+        )
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back at once
+        raise no_space_error(error, directory.parent, [directory]) from error
     _barrier(engine)  # every shard is on disk; a rank that died never gets past here
     if rank == 0:
         publish(tmp, directory, META, _meta(engine), keep_last)
@@ -131,7 +129,7 @@ def publish(tmp: Path, directory: Path, meta_name: str, meta: dict, keep_last: i
     _fsync_dir(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
     if keep_last:
-        _rotate(directory, keep_last, meta_name)
+        _rotate(directory, keep_last, meta_name, meta.get("run_id"))
 
 
 def _barrier(engine: ZeroEngine) -> None:
@@ -190,6 +188,7 @@ def _meta(engine: ZeroEngine) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "hf_zero_version": __version__,
+        "run_id": run_id(engine),
         "world_size": engine.topology.dp_size,
         "tp_size": engine.topology.tp_size,
         "tp_plan": engine.tp.describe()["plan"] if engine.tp is not None else None,
@@ -223,11 +222,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _rotate(directory: Path, keep_last: int, meta_name: str = META) -> None:
+def run_id(engine) -> str:
+    """This run's id, written into its checkpoints' metadata (a resumed run takes the id of
+    the checkpoint it resumed from): ``keep_last`` prunes only checkpoints of the same run."""
+    return engine.__dict__.setdefault("checkpoint_run_id", uuid.uuid4().hex)
+
+
+def _rotate(directory: Path, keep_last: int, meta_name: str, run: str | None) -> None:
+    def same_run(d: Path) -> bool:
+        try:
+            return json.loads((d / meta_name).read_text()).get("run_id") == run
+        except (OSError, ValueError):
+            return False
+
     siblings = [
         d
         for d in directory.parent.iterdir()
-        if d.is_dir() and is_complete(d) and (d / meta_name).is_file()
+        if d.is_dir() and is_complete(d) and (d / meta_name).is_file() and same_run(d)
     ]
     siblings.sort(key=lambda d: (d / MARKER).stat().st_mtime)
     for old in siblings[:-keep_last]:
@@ -253,146 +264,6 @@ def latest_checkpoint(parent: str | Path) -> Path | None:
 # ----------------------------------------------------------------------------------------------
 # loading
 # ----------------------------------------------------------------------------------------------
-
-
-def read_meta(directory: str | Path) -> dict:
-    """Validate a checkpoint directory and return its metadata."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"hf_zero: checkpoint '{directory}' does not exist")
-    if not is_complete(directory):
-        raise ValueError(
-            f"hf_zero: '{directory}' is not a complete checkpoint (no {MARKER} marker: the save "
-            "did not finish)"
-        )
-    meta = json.loads((directory / META).read_text())
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
-            f"hf_zero: checkpoint '{directory}' has format_version {meta['format_version']}; this "
-            f"hf_zero ({FORMAT_VERSION}) is older than the one that wrote it: upgrade hf_zero"
-        )
-    if meta.get("format_version", 0) < FORMAT_VERSION:
-        raise ValueError(
-            f"hf_zero: checkpoint '{directory}' has format_version {meta.get('format_version')}; "
-            f"this hf_zero reads format {FORMAT_VERSION}"
-        )
-    tp_size = meta.get("tp_size", 1)
-    for tp_rank in range(tp_size):
-        for rank in range(meta["world_size"]):
-            path = directory / shard_file(rank, tp_rank, tp_size)
-            if not path.is_file():
-                raise ValueError(f"hf_zero: checkpoint '{directory}' is missing {path.name}")
-            SafetensorsSliceReader(path)  # header and size check: a truncated file fails by name
-    return meta
-
-
-CODE_DTYPES = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "U8": torch.uint8,
-    "I64": torch.int64,
-}
-
-
-class SafetensorsSliceReader:
-    """Reads a safetensors file with positioned reads: no memory map, so pages of the file never
-    pile up in the process, and a truncated file is reported by name when it is opened."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"hf_zero: {path} is truncated (no safetensors header)")
-            (size,) = struct.unpack("<Q", raw)
-            header = f.read(size)
-            if len(header) != size:
-                raise ValueError(f"hf_zero: {path} is truncated (incomplete header)")
-        self.header = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
-        self.data_start = 8 + size
-        file_size = path.stat().st_size
-        end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
-        if self.data_start + end > file_size:
-            raise ValueError(
-                f"hf_zero: {path} is truncated: {file_size} bytes, header promises "
-                f"{self.data_start + end}"
-            )
-
-    def keys(self) -> list[str]:
-        return list(self.header)
-
-    def shape(self, key: str) -> list[int]:
-        return self.header[key]["shape"]
-
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor ``key``, flattened."""
-        entry = self.header[key]
-        dtype = CODE_DTYPES[entry["dtype"]]
-        out = torch.empty(stop - start, dtype=dtype)
-        itemsize = out.element_size()
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + entry["data_offsets"][0] + start * itemsize)
-            f.readinto(memoryview(out.view(torch.uint8).numpy()))
-        return out
-
-    def tensor(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key``, in its shape (a fresh copy, never a view of the file)."""
-        shape = self.shape(key)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        return self.read(key, 0, numel).view(shape)
-
-
-class ShardReader:
-    """Reads any element range of a parameter's saved values, from whichever old shards hold
-    it; each rank's file is opened on first use. Shared by resharding load and consolidation."""
-
-    def __init__(self, directory: Path, meta: dict, tp_rank: int = 0) -> None:
-        self.directory = directory
-        self.meta = meta
-        self.tp_rank = tp_rank
-        self._files: dict[int, SafetensorsSliceReader] = {}
-        self.where = {}  # parameter name -> (old group, old slot)
-        for group in meta["groups"]:
-            for slot in group["params"]:
-                self.where[slot["name"]] = (group, slot)
-
-    def file(self, rank: int) -> SafetensorsSliceReader:
-        if rank not in self._files:
-            name = shard_file(rank, self.tp_rank, self.meta.get("tp_size", 1))
-            self._files[rank] = SafetensorsSliceReader(self.directory / name)
-        return self._files[rank]
-
-    def read(self, name: str, key: str, start: int, count: int) -> torch.Tensor | None:
-        """Elements ``[start, start + count)`` of parameter ``name``'s ``key`` ("master" or
-        "state.exp_avg", ...), flattened; ``None`` if the checkpoint has no such tensor."""
-        group, slot = self.where[name]
-        tensor_key = f"{group['index']}.{key}"
-        if tensor_key not in self.file(0).header:
-            return None
-        lo = slot["offset"] + start
-        hi = lo + count
-        shard = group["shard_numel"]
-        if group["num_shards"] == 1:
-            return self.file(0).read(tensor_key, lo, hi)  # stage 0: every rank saved it all
-        pieces = []
-        for rank in range(lo // shard, (hi - 1) // shard + 1):
-            base = rank * shard
-            pieces.append(
-                self.file(rank).read(tensor_key, max(lo, base) - base, min(hi, base + shard) - base)
-            )
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-    def scalar(self, name: str, key: str) -> torch.Tensor | None:
-        group, _ = self.where[name]
-        tensor_key = f"{group['index']}.{key}"
-        if tensor_key not in self.file(0).header:
-            return None
-        # A fresh tensor per call: optimizers update step counters in place, so two buckets
-        # must never share one.
-        return self.file(0).tensor(tensor_key)
 
 
 def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
@@ -421,6 +292,7 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     engine.global_steps = meta["global_steps"]
     engine.skipped_steps = meta["skipped_steps"]
+    engine.checkpoint_run_id = meta.get("run_id") or run_id(engine)
     if meta["world_size"] == engine.topology.dp_size:
         own = reader.file(engine.topology.dp_rank)
         torch.set_rng_state(own.tensor("rng.torch"))

@@ -1,6 +1,6 @@
 """``hf-zero consolidate``: a sharded engine checkpoint -> Hugging Face safetensors, streamed.
 
-Each parameter is assembled from the per-rank shard files by `checkpoint.ShardReader` (plain
+Each parameter is assembled from the per-rank shard files by `checkpoint_read.ShardReader` (plain
 positioned reads, no memory map, so pages of the inputs never pile up in this process) and
 appended to the output
 file, whose header is computed up front. Peak memory is one parameter plus small buffers,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hf_zero.checkpoint import CODE_DTYPES, META, ShardReader, read_meta
+from hf_zero.checkpoint_read import CODE_DTYPES, META, ShardReader, read_meta
 
 _DTYPE_CODES = {dtype: code for code, dtype in CODE_DTYPES.items()}
 TRAINER_ZERO_DIR = "zero"  # = hf_zero.integrations.trainer.ZERO_DIR (not imported: slow)

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from hf_zero import host_memory
 from hf_zero.config import ZeroConfig
 from hf_zero.partition import FlatLayout
-from hf_zero.partitioned_load import PretrainedSlicer
+from hf_zero.partitioned_load import PretrainedSlicer, keep_slice, slice_of
 from hf_zero.stage3 import assign_params_to_units, find_units
 from hf_zero.topology import current_device, init_distributed
 
@@ -210,6 +210,14 @@ def _copy_into_shard(pre: PreShard, slot, flat_values: torch.Tensor) -> None:
         pre.shard[lo - start : hi - start].copy_(flat_values[lo - slot.offset : hi - slot.offset])
 
 
+def is_partitioned(model: torch.nn.Module) -> bool:
+    """True while ``model`` holds `partitioned_init` slices (before `initialize` adopts them)."""
+    return any(
+        getattr(p, "_hf_zero_slot", None) is not None or slice_of(p) is not None
+        for p in model.parameters()
+    )
+
+
 def preshard_of(module: torch.nn.Module) -> PreShard | None:
     """The module's own pre-shard (never one found through a wrapper's attribute forwarding:
     a PEFT model answers for its base model's attributes)."""
@@ -245,6 +253,17 @@ def load_partitioned(model: torch.nn.Module, path: str | Path) -> dict[str, int]
                 f"hf_zero.load_partitioned: no tensor for parameter {aliases[id(p)][0]} in {path}"
             )
         handle = handles[files[key]]
+        if slice_of(p) is not None:  # a partitioned from_pretrained's weight: sliced alone
+            if slice_of(p).views is not None:
+                raise NotImplementedError(
+                    f"hf_zero.load_partitioned: '{key}' is a bitsandbytes weight; load the "
+                    "quantized model again with from_pretrained inside partitioned_init()"
+                )
+            tensor = handle.get_tensor(key).to(p.dtype)
+            p._hf_zero_slice = slice_of(keep_slice(key, torch.nn.Parameter(tensor, False)))
+            read += tensor.numel()
+            total += tensor.numel()
+            continue
         slot_info = getattr(p, "_hf_zero_slot", None)
         if slot_info is None:
             tensor = handle.get_tensor(key)

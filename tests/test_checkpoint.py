@@ -1,6 +1,7 @@
 """Checkpoints: resharded on load (world size and stage), atomic under a killed rank, validated
 with errors that name the problem, and consolidated by streaming."""
 
+import errno
 import json
 import os
 import re
@@ -94,6 +95,30 @@ def _save_twice_and_die(first: str, second: str) -> None:
 
         checkpoint._write_safetensors = die_mid_write
     _segment(2, 0, 1, None, second)
+
+
+def _save_on_a_full_disk(first: str, second: str) -> str:
+    _segment(2, 0, 1, None, first)
+
+    def full(tensors, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    checkpoint._write_safetensors = full
+    try:
+        _segment(2, 0, 1, None, second)
+    except OSError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_full_disk_names_the_folder_and_frees_the_partial_save(tmp_path):
+    first, second = tmp_path / "ckpt-1", tmp_path / "ckpt-2"
+    for message in run_distributed(_save_on_a_full_disk, 2, args=(str(first), str(second))):
+        assert f"no space left on the device while saving a checkpoint under {tmp_path}" in message
+        assert "MiB free; the last checkpoint took" not in message  # ckpt-2 never existed
+        assert "the previous checkpoints are untouched" in message
+    assert checkpoint.is_complete(first)
+    assert not second.exists() and not (tmp_path / "ckpt-2.tmp").exists()
 
 
 def _load_and_report(ckpt: str) -> dict:

@@ -24,6 +24,7 @@ from hf_zero.config import AUTO, ZeroConfig
 from hf_zero.config_sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 from hf_zero.integrations.cpu import ensure_cpu_args
+from hf_zero.integrations.trainer_checkpoints import remove_debris, save_staged
 from hf_zero.optim.deepspeed_optimizer import (
     optimizer_spec,
     resolve_params,
@@ -31,6 +32,7 @@ from hf_zero.optim.deepspeed_optimizer import (
     type_and_params,
 )
 from hf_zero.optim.deepspeed_schedules import SCHEDULERS, build_scheduler
+from hf_zero.partitioned_init import is_partitioned, load_partitioned
 from hf_zero.stage3_units import num_parameters
 
 logger = logging.getLogger(__name__)
@@ -346,6 +348,19 @@ class ZeroTrainerMixin:
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.engine is None:
+            return super()._save_checkpoint(model, trial)
+        save_staged(self, trial, functools.partial(super()._save_checkpoint, model, trial))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        target = model or self.model
+        if is_partitioned(target) and not hasattr(target, "peft_config"):
+            # Its weights are slices until initialize adopts them: each rank reads its own.
+            load_partitioned(target, resume_from_checkpoint)
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
@@ -376,13 +391,16 @@ class ZeroTrainerMixin:
         super().log(logs, start_time)
 
     # --- parameter counts (ZeRO-3: p.numel() is 0 for a released parameter) ------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        resume_from_checkpoint = _resume_flag(resume_from_checkpoint)
         # The "Number of trainable parameters" line comes from transformers.trainer's
         # get_model_param_count, which reads the whole size (ds_numel) only under DeepSpeed.
+        if self.args.should_save and os.path.isdir(self.args.output_dir):
+            remove_debris(self.args.output_dir)  # what an interrupted save left
         original = trainer_module.get_model_param_count
         trainer_module.get_model_param_count = _whole_param_count
         try:
-            result = super().train(*args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             trainer_module.get_model_param_count = original
         if getattr(self.engine, "is_pipeline", False):
@@ -400,6 +418,14 @@ class ZeroTrainerMixin:
         ):
             return super().floating_point_ops(inputs)
         return 6 * inputs[main_input].numel() * num_parameters(self.model, exclude_embeddings=True)
+
+
+def _resume_flag(value):
+    """``--resume_from_checkpoint true`` arrives as the string "true": the latest checkpoint,
+    as ``True`` means ("false": none). A folder of that name is still a folder."""
+    if isinstance(value, str) and value.lower() in ("true", "false") and not os.path.isdir(value):
+        return value.lower() == "true" or None
+    return value
 
 
 def _differs(ours, theirs) -> bool:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_zero.checkpoint import MARKER, make_shared_tmp, publish
+from hf_zero.checkpoint import MARKER, make_shared_tmp, publish, run_id
 
 if TYPE_CHECKING:
     from hf_zero.pipeline.engine import PipelineEngine
@@ -133,6 +133,7 @@ def _meta(engine: PipelineEngine, files: dict[str, list[str]]) -> dict:
                 tp_shards[name] = [shard.dim, shard.parts]
     return {
         "format": FORMAT,
+        "run_id": run_id(engine),
         "format_version": VERSION,
         "pp_size": topo.pp_size,
         "dp_size": topo.dp_size,
@@ -211,6 +212,7 @@ def load_checkpoint(engine: PipelineEngine, directory: str | Path) -> None:
             "at any pp_size, data-parallel size or ZeRO stage, but only at the same tp_size"
         )
     files = StageFiles(directory, meta, topo.tp_rank)
+    engine.checkpoint_run_id = meta.get("run_id") or run_id(engine)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     embed_name = names.get(id(engine.module.get_input_embeddings().weight))
 

@@ -1,0 +1,63 @@
+"""A recipe run with one fault injected (tests/test_faults.py): ``HF_ZERO_TEST_FAULT`` is
+``<what>@<checkpoint folder name>``, where ``what`` is
+
+* ``kill-engine-save``: every rank's process group is SIGKILLed when rank 0 is about to publish
+  the engine's shards of that checkpoint (model weights written, shards written, not renamed);
+* ``kill-before-state``: likewise when rank 0 is about to write ``trainer_state.json``;
+* ``enospc``: writing the engine's shards of that checkpoint fails with ENOSPC on rank 0, as a
+  full disk makes it fail.
+
+The recipe itself (``HF_ZERO_TEST_RECIPE``: ``finetune_lora`` or ``finetune_full``) runs
+unchanged.
+"""
+
+import errno
+import importlib
+import os
+import signal
+import sys
+
+import transformers
+
+import hf_zero.checkpoint as checkpoint
+
+what, where = os.environ["HF_ZERO_TEST_FAULT"].split("@")
+rank0 = os.environ.get("RANK", "0") == "0"
+
+
+def _kill_all() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # the launcher and every rank, as a node dies
+
+
+if what == "kill-engine-save" and rank0:
+    publish = checkpoint.publish
+
+    def publish_then_die(tmp, directory, *args, **kwargs):
+        if where in str(directory):
+            _kill_all()
+        return publish(tmp, directory, *args, **kwargs)
+
+    checkpoint.publish = publish_then_die
+
+if what == "kill-before-state" and rank0:
+    save_to_json = transformers.TrainerState.save_to_json
+
+    def save_then_die(self, path):
+        if where in str(path):
+            _kill_all()
+        return save_to_json(self, path)
+
+    transformers.TrainerState.save_to_json = save_then_die
+
+if what == "enospc" and rank0:
+    original = checkpoint._write_safetensors
+
+    def write_full(pieces, path):
+        if where in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(pieces, path)
+
+    checkpoint._write_safetensors = write_full
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
+importlib.import_module(os.environ["HF_ZERO_TEST_RECIPE"]).main()
