@@ -282,9 +282,24 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
     _check_same_model(engine, meta, directory)
     optimizer = engine.optimizer.optimizer
     state_keys = _state_keys(meta, reader)
+    failure = None
+    try:  # no collective until every rank has read and checked its part
+        with torch.no_grad():
+            for group in engine.groups:
+                _load_group(group, reader, engine.optimizer, state_keys)
+    except (ValueError, OSError) as error:
+        failure = error
+    failed = torch.tensor([failure is not None], dtype=torch.int32, device=current_device())
+    engine.comm.for_purpose("control").all_reduce_max(failed, engine.topology.world)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise ValueError(
+            f"hf_zero: checkpoint '{directory}' failed to load on another rank (its error says "
+            "why); nothing was resumed"
+        )
     with torch.no_grad():
         for group in engine.groups:
-            _load_group(group, reader, engine.optimizer, state_keys)
             group.gather_params(async_op=False)  # parameters follow the restored masters
     for param_group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for key, value in saved.items():
@@ -319,10 +334,13 @@ def _load_group(group: FlatParamGroup, reader: ShardReader, optimizer, state_key
     for piece in group.layout.shard_pieces(group.shard_index):
         name = piece.slot.name
         lo, hi = piece.shard_start, piece.shard_start + piece.numel
-        new_master[lo:hi] = reader.read(name, "master", piece.param_start, piece.numel)
+        new_master[lo:hi] = _finite(
+            reader, name, "master", reader.read(name, "master", piece.param_start, piece.numel)
+        )
         for key in elementwise:
             values = reader.read(name, f"state.{key}", piece.param_start, piece.numel)
             if values is not None:
+                _finite(reader, name, f"state.{key}", values)
                 if key not in new_state:  # keep the saved dtype (bf16 Adam state stays bf16)
                     new_state[key] = torch.zeros(group.layout.shard_numel, dtype=values.dtype)
                 new_state[key][lo:hi] = values
@@ -332,6 +350,17 @@ def _load_group(group: FlatParamGroup, reader: ShardReader, optimizer, state_key
         if value is not None:
             new_state[key] = value
     optimizer.load_state_of(group, new_master, new_state)
+
+
+def _finite(reader: ShardReader, name: str, key: str, values: torch.Tensor) -> torch.Tensor:
+    """``values``, unless they hold NaN or Inf: a run resumed from them would train on NaN."""
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        raise ValueError(
+            f"hf_zero: checkpoint '{reader.directory}' holds NaN/Inf in '{key}' of parameter "
+            f"'{name}' ({', '.join(reader.last_files)}; read on rank {dist.get_rank()}); resume "
+            "from an earlier checkpoint"
+        )
+    return values
 
 
 def _check_same_model(engine: ZeroEngine, meta: dict, directory: Path) -> None:

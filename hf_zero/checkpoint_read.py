@@ -3,11 +3,15 @@ saved shard, read with positioned reads and checked against the file before it i
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import struct
 from pathlib import Path
 
 import torch
+
+from hf_zero.checkpoint_stream import CRC_BLOCK, CRC_KEY, block_crcs
 
 FORMAT_VERSION = 2
 META = "zero_meta.json"
@@ -57,8 +61,32 @@ def read_meta(directory: str | Path) -> dict:
             path = directory / shard_file(rank, tp_rank, tp_size)
             if not path.is_file():
                 raise ValueError(f"hf_zero: checkpoint '{directory}' is missing {path.name}")
-            SafetensorsSliceReader(path)  # header and size check: a truncated file fails by name
+            # Header and size checks: a truncated or edited file fails by name, on every rank.
+            _check_groups(meta, SafetensorsSliceReader(path), directory)
     return meta
+
+
+def _check_groups(meta: dict, file: SafetensorsSliceReader, directory: Path) -> None:
+    """The partition map adds up and agrees with what ``file`` holds."""
+    world = meta["world_size"]
+    for group in meta["groups"]:
+        index, shards = group["index"], group["num_shards"]
+        shard, padded = group["shard_numel"], group["padded_numel"]
+        problem = None
+        if shards not in (1, world) or shard * shards != padded:
+            problem = f"{shards} shards of {shard} for {padded} elements over {world} ranks"
+        for slot in group["params"]:
+            size = math.prod(slot["shape"])
+            if slot["numel"] != size or not 0 <= slot["offset"] <= padded - size:
+                problem = f"'{slot['name']}' at {slot['offset']}+{slot['numel']} of {padded}"
+        key = f"{index}.master"
+        if key in file.header and math.prod(file.shape(key)) != shard:
+            problem = f"{file.path.name} holds {math.prod(file.shape(key))} master elements"
+        if problem is not None:
+            raise ValueError(
+                f"hf_zero: checkpoint '{directory}': the partition map of group {index} does "
+                f"not add up ({problem}); the metadata or a shard file was changed"
+            )
 
 
 CODE_DTYPES = {
@@ -72,7 +100,11 @@ CODE_DTYPES = {
 
 class SafetensorsSliceReader:
     """Reads a safetensors file with positioned reads: no memory map, so pages of the file never
-    pile up in the process, and a truncated file is reported by name when it is opened."""
+    pile up in the process. Nothing in the file is trusted: when it is opened, every tensor's
+    dtype, shape and byte range are checked against each other and the file size (a truncated
+    or edited file is reported by name); every read is bounds-checked, must return all its
+    bytes, and, for files hf_zero wrote, is verified against the CRC-32 of each 256 KiB block it
+    touches."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -81,18 +113,20 @@ class SafetensorsSliceReader:
             if len(raw) != 8:
                 raise ValueError(f"hf_zero: {path} is truncated (no safetensors header)")
             (size,) = struct.unpack("<Q", raw)
-            header = f.read(size)
-            if len(header) != size:
+            file_size = path.stat().st_size
+            if size > file_size - 8:
                 raise ValueError(f"hf_zero: {path} is truncated (incomplete header)")
-        self.header = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+            header = f.read(size)
+        try:
+            parsed = json.loads(header)
+        except ValueError:
+            raise ValueError(f"hf_zero: {path} has a corrupted header") from None
+        metadata = parsed.pop("__metadata__", None) or {}
+        self.header = parsed
         self.data_start = 8 + size
-        file_size = path.stat().st_size
-        end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
-        if self.data_start + end > file_size:
-            raise ValueError(
-                f"hf_zero: {path} is truncated: {file_size} bytes, header promises "
-                f"{self.data_start + end}"
-            )
+        self.crcs = _parse_crcs(metadata.get(CRC_KEY), path)
+        self._last: dict[str, tuple[int, torch.Tensor]] = {}  # per tensor: its last small read
+        _check_entries(self.header, self.crcs, file_size - self.data_start, path)
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -104,20 +138,94 @@ class SafetensorsSliceReader:
         """Elements ``[start, stop)`` of tensor ``key``, flattened."""
         entry = self.header[key]
         dtype = CODE_DTYPES[entry["dtype"]]
-        out = torch.empty(stop - start, dtype=dtype)
-        itemsize = out.element_size()
+        numel = math.prod(entry["shape"])
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(
+                f"hf_zero: {self.path}: elements [{start}, {stop}) of '{key}' asked for, but it "
+                f"holds {numel} (the checkpoint's metadata does not match its files)"
+            )
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        lo, hi = start * itemsize, stop * itemsize
+        blocks = self.crcs.get(key)
+        if blocks is not None:  # read whole blocks, verify them, keep the part asked for
+            lo, hi = lo - lo % CRC_BLOCK, min(-(-hi // CRC_BLOCK) * CRC_BLOCK, numel * itemsize)
+        cached_lo, cached = self._last.get(key, (0, torch.empty(0)))
+        if cached_lo <= lo and hi <= cached_lo + cached.numel():
+            data = cached[lo - cached_lo : hi - cached_lo]  # small neighbours share blocks
+        else:
+            data = self._read_verified(key, entry, lo, hi, blocks)
+            if data.numel() > 4 * CRC_BLOCK:  # a large read is this caller's alone
+                return data[start * itemsize - lo : stop * itemsize - lo].view(dtype)
+            self._last[key] = (lo, data)
+        # Always a fresh tensor: optimizers update step counters in place.
+        return data[start * itemsize - lo : stop * itemsize - lo].clone().view(dtype)
+
+    def _read_verified(self, key: str, entry: dict, lo: int, hi: int, blocks) -> torch.Tensor:
+        """Bytes ``[lo, hi)`` of ``key``'s data, all of them, checked against ``blocks``."""
+        data = torch.empty(hi - lo, dtype=torch.uint8)
         with open(self.path, "rb") as f:
-            f.seek(self.data_start + entry["data_offsets"][0] + start * itemsize)
-            f.readinto(memoryview(out.view(torch.uint8).numpy()))
-        return out
+            f.seek(self.data_start + entry["data_offsets"][0] + lo)
+            got = f.readinto(memoryview(data.numpy())) if data.numel() else 0
+        if got != data.numel():
+            raise ValueError(f"hf_zero: {self.path}: short read of '{key}' (file changed?)")
+        if blocks is not None:
+            first = lo // CRC_BLOCK
+            for i, crc in enumerate(block_crcs(data.numpy())):
+                if crc != blocks[first + i]:
+                    raise ValueError(
+                        f"hf_zero: {self.path}: checksum mismatch in '{key}' (bytes "
+                        f"{lo + i * CRC_BLOCK}..): the file is corrupted; resume from an "
+                        "earlier checkpoint"
+                    )
+        return data
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole tensor ``key``, in its shape (a fresh copy, never a view of the file)."""
         shape = self.shape(key)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        return self.read(key, 0, numel).view(shape)
+        return self.read(key, 0, math.prod(shape)).view(shape)
+
+
+def _parse_crcs(table: str | None, path: Path) -> dict[str, list[int]]:
+    if table is None:
+        return {}
+    try:
+        return {
+            name: [int(hexes[i : i + 8], 16) for i in range(0, len(hexes), 8)]
+            for name, hexes in json.loads(table).items()
+        }
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(f"hf_zero: {path} has a corrupted checksum table") from None
+
+
+def _check_entries(header: dict, crcs: dict, data_size: int, path: Path) -> None:
+    """Each tensor's byte range agrees with its dtype and shape, lies inside the file, and no
+    two overlap; its checksum table has one entry per block."""
+    spans = []
+    for key, entry in header.items():
+        try:
+            dtype = CODE_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"hf_zero: {path}: '{key}' has a corrupted header entry") from None
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
+            raise ValueError(
+                f"hf_zero: {path}: '{key}' header does not add up (shape {shape}, bytes "
+                f"{begin}..{end})"
+            )
+        if end > data_size:
+            raise ValueError(
+                f"hf_zero: {path} is truncated: '{key}' ends at byte {end} of the data, the "
+                f"file holds {data_size}"
+            )
+        if key in crcs and len(crcs[key]) != -(-nbytes // CRC_BLOCK):
+            raise ValueError(f"hf_zero: {path}: '{key}' has a corrupted checksum table")
+        spans.append((begin, end, key))
+    spans.sort()
+    for (_, end, key), (begin, _, other) in itertools.pairwise(spans):
+        if begin < end:
+            raise ValueError(f"hf_zero: {path}: '{key}' and '{other}' overlap in the file")
 
 
 class ShardReader:
@@ -129,6 +237,7 @@ class ShardReader:
         self.meta = meta
         self.tp_rank = tp_rank
         self._files: dict[int, SafetensorsSliceReader] = {}
+        self.last_files: list[str] = []  # the files the last `read` took its values from
         self.where = {}  # parameter name -> (old group, old slot)
         for group in meta["groups"]:
             for slot in group["params"]:
@@ -151,9 +260,12 @@ class ShardReader:
         hi = lo + count
         shard = group["shard_numel"]
         if group["num_shards"] == 1:
+            self.last_files = [self.file(0).path.name]
             return self.file(0).read(tensor_key, lo, hi)  # stage 0: every rank saved it all
         pieces = []
-        for rank in range(lo // shard, (hi - 1) // shard + 1):
+        ranks = range(lo // shard, (hi - 1) // shard + 1)
+        self.last_files = [self.file(rank).path.name for rank in ranks]
+        for rank in ranks:
             base = rank * shard
             pieces.append(
                 self.file(rank).read(tensor_key, max(lo, base) - base, min(hi, base + shard) - base)
@@ -168,3 +280,19 @@ class ShardReader:
         # A fresh tensor per call: optimizers update step counters in place, so two buckets
         # must never share one.
         return self.file(0).tensor(tensor_key)
+
+
+def indexed_files(folder: Path, index: Path) -> dict[str, Path]:
+    """A Hugging Face ``*.safetensors.index.json``'s tensor -> file map, each file checked to
+    lie inside ``folder`` (an index is data: it must not point at other files on the host)."""
+    root = folder.resolve()
+    out = {}
+    for name, file_name in json.loads(index.read_text())["weight_map"].items():
+        path = (folder / file_name).resolve()
+        if not isinstance(file_name, str) or not path.is_relative_to(root):
+            raise ValueError(
+                f"hf_zero: {index} maps '{name}' to {file_name!r}, outside {folder}: an index "
+                "may only name files in its own folder"
+            )
+        out[name] = path
+    return out

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hf_zero.checkpoint_read import CODE_DTYPES, META, ShardReader, read_meta
+from hf_zero.checkpoint_read import CODE_DTYPES, META, ShardReader, indexed_files, read_meta
 
 _DTYPE_CODES = {dtype: code for code, dtype in CODE_DTYPES.items()}
 TRAINER_ZERO_DIR = "zero"  # = hf_zero.integrations.trainer.ZERO_DIR (not imported: slow)
@@ -194,7 +194,8 @@ def _frozen_from_saved(saved_dir: Path, params: list[dict]) -> dict[str, tuple[s
 
     index = saved_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        root = saved_dir.resolve()
+        files = sorted({str(p.relative_to(root)) for p in indexed_files(saved_dir, index).values()})
     else:
         files = ["model.safetensors"] if (saved_dir / "model.safetensors").is_file() else []
     have = {s["name"] for s in params}

@@ -15,8 +15,8 @@ class NoSpaceError(OSError):
 def no_space_error(error: OSError, folder: str | Path, previous: Iterable[Path] = ()) -> OSError:
     """``error`` (an ENOSPC) told as a user can act on it. ``previous``: earlier saves whose
     size says how much one takes."""
-    if isinstance(error, NoSpaceError):
-        return error
+    if isinstance(error, NoSpaceError) and isinstance(error.__cause__, OSError):
+        error = error.__cause__  # told again for a wider folder (a Trainer's output directory)
     free = shutil.disk_usage(folder).free
     size = max((_tree_bytes(Path(p)) for p in previous), default=0)
     took = f"; the last checkpoint took {size / 2**20:.1f} MiB" if size else ""

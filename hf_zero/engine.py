@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from hf_zero.flat_group import FlatParamGroup
 from hf_zero.full_state_dict import full_state_dict
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.memory import loose_param_bytes
+from hf_zero.model_checks import check_materialized, check_same_model
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.packed import disable_cpu_repacking, is_packed, quant_state_tensors
@@ -99,6 +101,8 @@ class ZeroEngine:
         config.check_batch_sizes(self.topology.dp_size)
         self.dtype = DTYPES[config.precision]
 
+        check_materialized(model)
+        check_same_model(model, self.comm, self.topology.world, self.device)
         model.to(self.device)
         disable_cpu_repacking(model)
         self.tp: TensorParallel | None = None
@@ -276,6 +280,11 @@ class ZeroEngine:
         scale = self.loss_scaler.scale
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             scale /= self.config.gradient_accumulation_steps
+        if not loss.requires_grad:
+            raise RuntimeError(
+                "hf_zero: the loss does not require a gradient: no trainable parameter was used "
+                "to compute it (is every parameter frozen, or the loss computed under no_grad?)"
+            )
         self._in_engine_backward = True
         try:
             (loss * scale if scale != 1.0 else loss).backward()
@@ -318,6 +327,10 @@ class ZeroEngine:
         micro-batch is fine. Gradients are cleared after the update.
         """
         if not self.is_gradient_accumulation_boundary():
+            if self.reducer.micro_steps == 0:
+                warnings.warn(
+                    "hf_zero: engine.step() before any backward: nothing to update", stacklevel=2
+                )
             return False
         self._last_step_micro = self.reducer.micro_steps
         stepped = self.optimizer.step(self.config.gradient_clipping, clipped=self._clipped)

@@ -18,7 +18,6 @@ keeps each weight's slice as it loads (`hf_zero.partitioned_load`).
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from hf_zero import host_memory
+from hf_zero.checkpoint_read import indexed_files
 from hf_zero.config import ZeroConfig
 from hf_zero.partition import FlatLayout
 from hf_zero.partitioned_load import PretrainedSlicer, keep_slice, slice_of
@@ -311,8 +311,7 @@ def _tensor_files(path: Path) -> dict[str, str]:
             return {k: str(path) for k in f.keys()}  # noqa: SIM118
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: str(path / v) for k, v in weight_map.items()}
+        return {k: str(v) for k, v in indexed_files(path, index).items()}
     single = path / "model.safetensors"
     if single.exists():
         return _tensor_files(single)

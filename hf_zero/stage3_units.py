@@ -35,6 +35,19 @@ def true_numel(param: torch.Tensor) -> int:
     return numel if numel is not None else param.numel()
 
 
+def whole_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, whole: also for a released ZeRO-3 parameter or a
+    `partitioned_init` slice."""
+    slot = getattr(param, "_hf_zero_slot", None)
+    if slot is not None:
+        return slot[1].shape
+    piece = param.__dict__.get("_hf_zero_slice")
+    if piece is not None:
+        return piece.shape
+    shape = getattr(param, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else param.shape
+
+
 def num_parameters(
     model: torch.nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False
 ) -> int:

@@ -305,10 +305,26 @@ def _rotate(parent: str) -> list[str]:
     return sorted(p.name for p in Path(parent).iterdir())
 
 
+def _another_run(parent: str) -> list[str]:
+    """A second run saving into the same folder, then a run resumed from it."""
+    for resume in (None, f"{parent}/other-1"):
+        model = build_model()
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=2)
+        if resume:
+            engine.load_checkpoint(resume)
+        for step in range(2):
+            engine.save_checkpoint(f"{parent}/{'resumed' if resume else 'other'}-{step}", 1)
+    return sorted(p.name for p in Path(parent).iterdir())
+
+
 def test_keep_last_rotates_old_checkpoints(tmp_path, capsys):
     from hf_zero.cli import main
 
     assert run_distributed(_rotate, 2, args=(str(tmp_path),))[0] == ["step-1", "step-2"]
+    # Another run's keep_last=1 prunes its own checkpoints only; a run resumed from one of them
+    # is the same run.
+    left = run_distributed(_another_run, 2, args=(str(tmp_path),))[0]
+    assert left == ["resumed-1", "step-1", "step-2"], left
     # The CLI on a checkpoint without LoRA weights: a clear error, exit code 2.
     assert (
         main(["consolidate", str(tmp_path / "step-2"), str(tmp_path / "o"), "--adapter-only"]) == 2

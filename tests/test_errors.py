@@ -90,3 +90,23 @@ def test_fp16_requires_engine_backward(single_rank):
     x = torch.randint(0, 256, (1, 8))
     with pytest.raises(RuntimeError, match=r"call engine.backward\(loss\)"):
         engine(input_ids=x, labels=x).loss.backward()
+
+
+def test_a_parameter_left_on_meta_is_named(single_rank):
+    with torch.device("meta"):
+        model = tiny_llama()
+    with pytest.raises(ValueError, match=r"on the meta device .*'model.embed_tokens.weight'"):
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=2)
+
+
+def test_an_all_frozen_model_and_a_step_before_backward_say_so(single_rank):
+    model = tiny_llama()
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=2)
+    with pytest.warns(UserWarning, match=r"engine.step\(\) before any backward"):
+        assert engine.step() is False
+    engine.close()
+    frozen = tiny_llama().requires_grad_(False)
+    engine = hf_zero.initialize(frozen, torch.optim.AdamW(frozen.parameters()), stage=2)
+    x = torch.randint(0, 256, (1, 8))
+    with pytest.raises(RuntimeError, match="no trainable parameter was used"):
+        engine.backward(engine(input_ids=x, labels=x).loss)

@@ -9,6 +9,9 @@
   folder and the space free; the previous checkpoint is untouched and resumable.
 * A stage-3 model built inside ``partitioned_init()`` (``finetune_full.py --model_config``)
   resumes exactly (its empty parameters are filled from the checkpoint's slices).
+* Ranks that built different models (a wider hidden size, one more layer) fail at
+  `initialize`, every rank with the same error naming the first differing parameter, in
+  seconds instead of a crash at the first forward or a hang until the collective timeout.
 
 The faults are injected by ``tests/scripts/faulty_recipe.py`` around the unchanged recipe.
 """
@@ -20,9 +23,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from helpers import MODEL
 from transformers.trainer_utils import get_last_checkpoint
 
+import hf_zero
 from hf_zero.integrations.trainer_checkpoints import STAGING
+from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +118,27 @@ def test_a_partitioned_stage3_build_resumes_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     expected, losses = _losses(tmp_path / "whole"), _losses(out)
     assert [losses[s] for s in (3, 4, 5, 6)] == [expected[s] for s in (3, 4, 5, 6)]
+
+
+def _built_differently(change: dict) -> str:
+    kwargs = {**MODEL, **(change if dist.get_rank() == 1 else {})}
+    model = tiny_llama(0, **kwargs)
+    try:
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=3)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hidden_size": 48}, "rank 0 has 'model.embed_tokens.weight' (251, 40) float32"),
+        ({"num_hidden_layers": 3}, "rank 1 has 'model.layers.2.self_attn.q_proj.weight'"),
+    ],
+    ids=["wider", "one-more-layer"],
+)
+def test_ranks_that_built_different_models_fail_together_naming_the_difference(change, named):
+    for message in run_distributed(_built_differently, 2, args=(change,), timeout=60):
+        assert "ranks built different models (ranks [1] differ from rank 0)" in message, message
+        assert named in message, message
