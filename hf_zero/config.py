@@ -91,6 +91,13 @@ class ZeroConfig:
     native_collectives: bool = False
     """Always call the backend's own reduce-scatter / all-gather. By default, on gloo (CPU),
     they run as direct point-to-point exchanges (same bytes, measured faster; same results)."""
+    comm_timeout: int = 1800
+    """Seconds a collective may wait for the other ranks before it fails (every group hf_zero
+    creates, and the default group when hf_zero creates it; torch's default). Under the Trainer:
+    ``--ddp_timeout``, also on CPU."""
+    stall_warning_seconds: int = 300
+    """A rank blocked in one collective this long logs where it waits and which ranks have not
+    arrived (once per stall; well before ``comm_timeout`` ends the job). 0 switches it off."""
     host_memory: str = "release"
     """Training on CPU: ``"release"`` gives freed memory back to the OS after each step (lower
     RSS); ``"reuse"`` keeps it for the next step, skipping its page faults (faster)."""
@@ -307,6 +314,8 @@ class ZeroConfig:
         one_of("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
         one_of("offload_param", self.offload_param, OFFLOAD_DEVICES)
         one_of("host_memory", self.host_memory, ("release", "reuse"))
+        at_least("comm_timeout", self.comm_timeout, 1)
+        at_least("stall_warning_seconds", self.stall_warning_seconds, 0)
         at_least("loss_scale", self.loss_scale, 0.0)
         at_least("initial_scale_power", self.initial_scale_power, 0)
         at_least("loss_scale_window", self.loss_scale_window, 1)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 
 from hf_zero import checkpoint, host_memory
 from hf_zero.comm import Collectives, CommStats
+from hf_zero.comm.watchdog import StallWatchdog
 from hf_zero.config import ZeroConfig
 from hf_zero.flat_group import FlatParamGroup
 from hf_zero.full_state_dict import full_state_dict
@@ -33,7 +35,7 @@ from hf_zero.reducer import GradientReducer
 from hf_zero.stage3 import Zero3Coordinator, gathered
 from hf_zero.stage3_state_dict import StateDictHooks, mark_whole_shapes
 from hf_zero.stage3_units import true_numel
-from hf_zero.topology import Topology, current_device, hpz_size
+from hf_zero.topology import Topology, current_device, hpz_size, init_distributed
 from hf_zero.tp import PRESETS, TensorParallel, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -91,10 +93,18 @@ class ZeroEngine:
         # Everything that can be refused is checked before any process-group work.
         optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
 
+        init_distributed(timeout=config.comm_timeout)
         hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
-        self.topology = Topology.build(config.tp_size, config.node_size, hpz)
+        self.topology = Topology.build(
+            config.tp_size, config.node_size, hpz, timeout=config.comm_timeout
+        )
         self.device = current_device()
         self.comm = Collectives(native_collectives=config.native_collectives)
+        me = weakref.ref(self)
+        self.watchdog = StallWatchdog.start(
+            config.stall_warning_seconds, self.topology.rank, self.topology.world_size,
+            lambda: getattr(me(), "global_steps", "?"),
+        )  # fmt: skip
         self.zeropp = zeropp_settings(config, self.topology)
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         config.resolve_auto(hidden_size=hidden, world_size=self.topology.dp_size)
@@ -430,6 +440,8 @@ class ZeroEngine:
         """Remove this rank's NVMe swap files (done at exit too); no training after it."""
         for swap in set(self.swaps.values()):
             swap.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def full_state_dict(
         self, rank0_only: bool = True, master_weights: bool = False

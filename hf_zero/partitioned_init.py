@@ -73,8 +73,8 @@ def partitioned_init(
     root modules are appended to. ``param_persistence_threshold`` (from ``config``) decides which
     parameters stay whole, as in `initialize`; the data-parallel group is the whole world.
     """
-    init_distributed()
     cfg = ZeroConfig.load(config, **overrides)
+    init_distributed(timeout=cfg.comm_timeout)
     if "nvme" in (cfg.offload_param, cfg.offload_optimizer) and current_device().type == "cpu":
         host_memory.unmap_large_frees()  # freed slices leave the process at once
     parents: dict[int, torch.nn.Module] = {}

@@ -188,6 +188,22 @@ def fail(message: str, status: int = USAGE_STATUS) -> int:
     return status
 
 
+def ddp_timeout_of(script_args: list[str]) -> float | None:
+    """The script's own ``--ddp_timeout`` value, if it is given one (a Trainer flag)."""
+    for i, arg in enumerate(script_args):
+        value = None
+        if arg == "--ddp_timeout" and i + 1 < len(script_args):
+            value = script_args[i + 1]
+        elif arg.startswith("--ddp_timeout="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:
+                return None  # the script's own parser reports it
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
@@ -208,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         return fail(f"hf_zero run: no such script: {script}")
     sys.argv = [script, *script_args]
+    # The script's TrainingArguments would create the CPU group without its --ddp_timeout.
+    timeout = ddp_timeout_of(script_args)
+    if timeout is not None:
+        from hf_zero.integrations.cpu import create_cpu_group
+
+        create_cpu_group(None, timeout)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
     if (values or config_file) and not canonical.hf_zero_was_used():

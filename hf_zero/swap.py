@@ -1,9 +1,10 @@
 """Swap files for ZeRO-Infinity's NVMe tiers: a per-run directory and asynchronous file I/O.
 
-Every rank keeps its swap files in its own directory, ``<nvme_path>/hf_zero-swap-<launcher pid>/rank<r>.<pid>``,
-created when the engine is built and removed when the process ends (normally or by an
-exception: `SwapSpace.close` runs from ``atexit``). A killed process (SIGKILL) cannot clean up;
-the directory name says which run left it.
+Every rank keeps its swap files in its own directory,
+``<nvme_path>/hf_zero-swap-<launcher pid>/rank<r>.<host>.<pid>``, created when the engine is
+built and removed when the process ends: normally or by an exception (`SwapSpace.close` runs
+from ``atexit``), or by SIGTERM; a killed process's directory (SIGKILL) is removed by the next
+run on the host (`hf_zero.swap_folders`).
 
 I/O runs on a small thread pool: ``os.preadv`` / ``os.pwritev`` read and write straight into
 tensor memory and release the GIL, so the reads of the next tiles or units proceed while Python
@@ -30,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from hf_zero import swap_folders
 
 ALIGN = 4096  # bytes: O_DIRECT alignment that every common NVMe / SSD accepts
 
@@ -74,8 +77,10 @@ class SwapSpace:
 
     def __init__(self, root: str | os.PathLike, rank: int, threads: int = 4, direct: bool = True):
         self.root = Path(root)
+        swap_folders.remove_stale(self.root)  # what killed runs left here
         # One run directory per launch (the launcher is every local rank's parent process).
-        self.dir = self.root / f"hf_zero-swap-{os.getppid()}" / f"rank{rank}.{os.getpid()}"
+        run = self.root / f"{swap_folders.RUN_PREFIX}{os.getppid()}"
+        self.dir = run / swap_folders.rank_dir_name(rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.direct = direct and hasattr(os, "O_DIRECT") and self._direct_works()
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hf_zero_swap")
@@ -84,6 +89,7 @@ class SwapSpace:
         """Bytes moved to and from this rank's swap files (padding included)."""
         self._closed = False
         atexit.register(self.close)
+        swap_folders.remove_on_signal(self.close)
 
     def _direct_works(self) -> bool:
         probe = self.dir / ".direct_probe"
@@ -121,6 +127,7 @@ class SwapSpace:
         with contextlib.suppress(OSError):
             self.dir.parent.rmdir()  # the run directory, once every rank has left it
         atexit.unregister(self.close)
+        swap_folders.forget(self.close)
 
 
 class SwapFile:
@@ -140,10 +147,11 @@ class SwapFile:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             free = shutil.disk_usage(space.dir).free
+            others = swap_folders.describe_others(space.root, space.dir)
             raise ValueError(
                 f"hf_zero: no space left for NVMe offload under nvme_path {str(space.root)!r}: "
                 f"a {self.nbytes / 2**20:.1f} MiB swap file does not fit ({free / 2**20:.1f} MiB "
-                "free). Free space there or point nvme_path at a larger disk"
+                f"free{others}). Free space there or point nvme_path at a larger disk"
             ) from None
 
     def read_async(self, into: torch.Tensor, offset: int = 0) -> Future:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -112,14 +113,21 @@ class Topology:
             dist.destroy_process_group(pg)
 
     @classmethod
-    def build(cls, tp_size: int = 1, node_size: int | None = None, hpz_size: int = 1) -> Topology:
+    def build(
+        cls,
+        tp_size: int = 1,
+        node_size: int | None = None,
+        hpz_size: int = 1,
+        timeout: float | None = None,
+    ) -> Topology:
         """Create every group. Collective: all ranks must call it with the same arguments.
 
         ``hpz_size > 1`` also creates the ZeRO++ secondary-partition groups; it must divide the
-        data-parallel size.
+        data-parallel size. ``timeout``: seconds a collective of the groups created here (and of
+        the default group, if it is created here) may wait before it fails.
         """
         if not dist.is_initialized():
-            init_distributed()
+            init_distributed(timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
         if node_size is None:
             node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -140,7 +148,9 @@ class Topology:
                 if len(ranks) == world and backend is None:
                     pg = dist.group.WORLD
                 else:
-                    pg = dist.new_group(list(ranks), backend=backend)
+                    pg = dist.new_group(
+                        list(ranks), backend=backend, timeout=timeout_delta(timeout)
+                    )
                 if rank in ranks:
                     mine = Group(pg, ranks, spans, node_size)
             assert mine is not None
@@ -205,11 +215,13 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, timeout: float | None = None) -> None:
     """Initialise the default process group from the launcher's environment.
 
     Under torchrun/accelerate the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` variables are
     set. A plain ``python script.py`` gets a one-rank group, so the same code runs unlaunched.
+    ``timeout``: seconds a collective may wait for the other ranks before it fails (torch's
+    default, 30 minutes, when None). Nothing happens if the group exists already.
     """
     if dist.is_initialized():
         return
@@ -218,6 +230,11 @@ def init_distributed(backend: str | None = None) -> None:
     if current_device().type == "cuda":
         torch.cuda.set_device(current_device())
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout_delta(timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def timeout_delta(seconds: float | None) -> timedelta | None:
+    """``seconds`` as the timeout torch takes (None: torch's default)."""
+    return timedelta(seconds=seconds) if seconds else None

@@ -16,8 +16,10 @@
 The faults are injected by ``tests/scripts/faulty_recipe.py`` around the unchanged recipe.
 """
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +144,130 @@ def test_ranks_that_built_different_models_fail_together_naming_the_difference(c
     for message in run_distributed(_built_differently, 2, args=(change,), timeout=60):
         assert "ranks built different models (ranks [1] differ from rank 0)" in message, message
         assert named in message, message
+
+
+# --- NVMe swap folders ---------------------------------------------------------------------------
+def _nvme_engine(nvme: str):
+    model = tiny_llama(0, **MODEL)
+    return hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters()), stage=3,
+        offload_param="nvme", offload_optimizer="nvme", nvme_path=nvme,
+    )  # fmt: skip
+
+
+def _swap_folders(nvme: str) -> list[str]:
+    return sorted(str(p.relative_to(nvme)) for p in Path(nvme).glob("hf_zero-swap-*/rank*"))
+
+
+def test_sigterm_removes_the_swap_folders(tmp_path):
+    """The launcher stopped (SIGTERM, as on pre-emption): it stops the ranks with SIGTERM, and
+    each rank removes its swap folder before it ends."""
+    import signal
+    import time
+
+    nvme, marks = tmp_path / "nvme", tmp_path / "marks"
+    marks.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += [str(ROOT / "tests/scripts/nvme_until_signal.py"), str(nvme), str(marks)]
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list(marks.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        time.sleep(0.2)
+    assert len(_swap_folders(str(nvme))) == 2
+    launcher.send_signal(signal.SIGTERM)
+    launcher.communicate(timeout=60)
+    assert _swap_folders(str(nvme)) == []
+
+
+def _started_next_to(nvme: str) -> list[str]:
+    _nvme_engine(nvme)
+    return _swap_folders(nvme)
+
+
+def test_a_killed_runs_swap_folder_is_removed_at_the_next_start(tmp_path):
+    import socket
+
+    nvme = tmp_path / "nvme"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(ended.stdout)
+    host = socket.gethostname()
+    dead = nvme / "hf_zero-swap-1" / f"rank0.{host}.{dead_pid}"
+    alive = nvme / "hf_zero-swap-2" / f"rank0.{host}.{os.getpid()}"  # this test: running
+    foreign = nvme / "hf_zero-swap-3" / f"rank0.another-host.{dead_pid}"
+    for folder in (dead, alive, foreign):
+        folder.mkdir(parents=True)
+        (folder / "0.swap").write_bytes(b"x" * 4096)
+    during = run_distributed(_started_next_to, 2, args=(str(nvme),))[0]
+    assert not dead.exists()
+    assert alive.exists() and foreign.exists()  # a live process's, another host's
+    assert len([f for f in during if f.startswith("hf_zero-swap-") and ".rank" not in f]) >= 2
+
+
+def _full_disk(nvme: str) -> str:
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    os.posix_fallocate = no_space
+    try:
+        _nvme_engine(nvme)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_full_nvme_disk_names_the_other_swap_folders(tmp_path):
+    nvme = tmp_path / "nvme"
+    other = nvme / "hf_zero-swap-2" / f"rank0.elsewhere.{os.getpid()}"
+    other.mkdir(parents=True)
+    (other / "0.swap").write_bytes(b"x" * 2**20)
+    for message in run_distributed(_full_disk, 2, args=(str(nvme),)):
+        assert "no space left for NVMe offload" in message, message
+        assert f"other swap folders there: {other} (1.0 MiB)" in message, message
+
+
+def test_ddp_timeout_bounds_a_stalled_collective_on_cpu(tmp_path):
+    """One rank stops for 120 s; with --ddp_timeout 5 the other fails its collective within
+    seconds (transformers alone leaves CPU groups at 30 minutes), and the run ends with an
+    error that says it timed out."""
+    out = tmp_path / "out"
+    stalled = _launch(
+        out, "--zero_stage", "2", "--ddp_timeout", "5", "--save_strategy", "no", fault="stall@120"
+    )
+    assert stalled.returncode != 0
+    assert re.search(r"[Tt]imed out|[Tt]imeout", stalled.stderr), stalled.stderr[-3000:]
+
+
+def _stalled_peer(seconds: float) -> list[str]:
+    import logging
+    import time
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("hf_zero.watchdog").addHandler(Collect())
+    model = tiny_llama(0, **MODEL)
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters()), stage=3, stall_warning_seconds=2
+    )
+    if dist.get_rank() == 1:
+        time.sleep(seconds)  # stopped: not in any collective
+    x = torch.randint(0, 200, (2, 16))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.close()
+    return seen
+
+
+def test_the_watchdog_names_where_a_rank_waits_and_who_is_late():
+    waiting, stopped = run_distributed(_stalled_peer, 2, args=(8.0,), timeout=120)
+    assert stopped == [], stopped  # the rank that was away never waited in a collective
+    assert len(waiting) == 1, waiting  # once per stall
+    message = waiting[0]
+    assert re.search(r"rank 0 has waited \d+ s in .+, called from \S+:\d+ in \w+", message)
+    assert "(step 0)" in message and "ranks [1] have not arrived" in message, message

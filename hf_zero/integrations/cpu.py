@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
+
+from hf_zero.topology import init_distributed
 
 CPU_ENV = "ACCELERATE_USE_CPU"
 
@@ -42,3 +45,12 @@ def ensure_cpu_args(args) -> None:
     args.dataloader_pin_memory = False  # as TrainingArguments does for use_cpu
     if args.__dict__.pop("_setup_devices", None) is not None:  # functools.cached_property
         _ = args.device
+
+
+def create_cpu_group(backend: str | None, timeout_s: float | None) -> None:
+    """Create the launched CPU processes' default group with ``timeout_s`` before Accelerate or
+    the Trainer does: on CPU they create it without a timeout, ignoring ``--ddp_timeout``. Only
+    when launched with several processes and there is no GPU; nothing if the group exists."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
+    if no_gpu() and launched and not dist.is_initialized():
+        init_distributed(backend or "gloo", timeout=timeout_s)

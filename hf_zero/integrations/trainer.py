@@ -23,7 +23,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from hf_zero.config import AUTO, ZeroConfig
 from hf_zero.config_sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
-from hf_zero.integrations.cpu import ensure_cpu_args
+from hf_zero.integrations.cpu import create_cpu_group, ensure_cpu_args
 from hf_zero.integrations.trainer_checkpoints import remove_debris, save_staged
 from hf_zero.optim.deepspeed_optimizer import (
     optimizer_spec,
@@ -96,6 +96,7 @@ class ZeroTrainingArguments(TrainingArguments):
             self.zero.check_world(int(os.environ["WORLD_SIZE"]))
         if not torch.cuda.is_available():
             self.use_cpu = True
+            create_cpu_group(self.ddp_backend, self.ddp_timeout)  # honours --ddp_timeout
         if self.zero.pp_size > 1:  # every micro-batch of a pipeline step the same size
             self.dataloader_drop_last = True
         super().__post_init__()
@@ -128,6 +129,8 @@ def zero_config_for(
     env_file = os.environ.get(ENV_VAR) or None
     explicit = {**explicit_values(env_file), **explicit_values(zero_config)}
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if "comm_timeout" not in explicit and (cli or {}).get("comm_timeout") is None:
+        config.comm_timeout = args.ddp_timeout  # one timeout for every group of the run
     trainer_values = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,

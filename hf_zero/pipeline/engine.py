@@ -83,7 +83,7 @@ class PipelineEngine:
     """The integrations drive it by `train_batch` instead of forward / backward / step."""
 
     def __init__(self, model, optimizer, config: ZeroConfig, lr_scheduler=None) -> None:
-        init_distributed()
+        init_distributed(timeout=config.comm_timeout)
         dp_size = max(1, dist.get_world_size() // (config.pp_size * config.tp_size))
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         config.resolve_auto(hidden_size=hidden, world_size=dp_size)
@@ -93,7 +93,9 @@ class PipelineEngine:
         self.config, self.module, self.optimizer = config, model, optimizer
         self.lr_scheduler = lr_scheduler
         self.device = current_device()
-        self.topology = topo = PipelineTopology.build(config.pp_size, config.tp_size)
+        self.topology = topo = PipelineTopology.build(
+            config.pp_size, config.tp_size, timeout=config.comm_timeout
+        )
         self.comm = Collectives(native_collectives=config.native_collectives)
         world = Group(None, tuple(range(dist.get_world_size())), False)
         with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does

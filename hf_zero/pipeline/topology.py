@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hf_zero.topology import Group
+from hf_zero.topology import Group, timeout_delta
 
 
 @dataclass
@@ -59,8 +59,11 @@ class PipelineTopology:
         return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
 
     @classmethod
-    def build(cls, pp_size: int, tp_size: int = 1) -> PipelineTopology:
-        """Create every group (collective: every rank calls it with the same arguments)."""
+    def build(
+        cls, pp_size: int, tp_size: int = 1, timeout: float | None = None
+    ) -> PipelineTopology:
+        """Create every group (collective: every rank calls it with the same arguments);
+        ``timeout``: seconds their collectives may wait before they fail."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % (pp_size * tp_size):
             raise ValueError(
@@ -75,7 +78,11 @@ class PipelineTopology:
         def make(members_of: list[tuple[int, ...]]) -> Group | None:
             mine = None  # new_group is collective over the world: every rank creates every group
             for ranks in members_of:
-                pg = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+                pg = (
+                    dist.group.WORLD
+                    if len(ranks) == world
+                    else dist.new_group(list(ranks), timeout=timeout_delta(timeout))
+                )
                 if rank in ranks:
                     mine = Group(pg, ranks, spans_nodes=False)
             return mine

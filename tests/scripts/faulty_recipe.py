@@ -5,7 +5,9 @@
   the engine's shards of that checkpoint (model weights written, shards written, not renamed);
 * ``kill-before-state``: likewise when rank 0 is about to write ``trainer_state.json``;
 * ``enospc``: writing the engine's shards of that checkpoint fails with ENOSPC on rank 0, as a
-  full disk makes it fail.
+  full disk makes it fail;
+* ``stall``: rank 1 stops for ``<where>`` seconds before its second optimizer step (a rank
+  stuck in I/O, swapped out, or stopped), while rank 0 goes on to the next collective.
 
 The recipe itself (``HF_ZERO_TEST_RECIPE``: ``finetune_lora`` or ``finetune_full``) runs
 unchanged.
@@ -58,6 +60,21 @@ if what == "enospc" and rank0:
         return original(pieces, path)
 
     checkpoint._write_safetensors = write_full
+
+if what == "stall" and os.environ.get("RANK") == "1":
+    import time
+
+    from hf_zero.engine import ZeroEngine
+
+    step, calls = ZeroEngine.step, []
+
+    def stalled_step(self):
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(float(where))
+        return step(self)
+
+    ZeroEngine.step = stalled_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
 importlib.import_module(os.environ["HF_ZERO_TEST_RECIPE"]).main()
