@@ -271,3 +271,39 @@ def test_the_watchdog_names_where_a_rank_waits_and_who_is_late():
     message = waiting[0]
     assert re.search(r"rank 0 has waited \d+ s in .+, called from \S+:\d+ in \w+", message)
     assert "(step 0)" in message and "ranks [1] have not arrived" in message, message
+
+
+@pytest.mark.parametrize("saving_rank", [True, False])
+def test_the_best_checkpoint_is_recorded_where_it_is_published(tmp_path, saving_rank):
+    """With load_best_model_at_end the Trainer records the best checkpoint's folder while it
+    saves, i.e. the staged one: every rank must end up with the published path, and so must
+    the saved trainer_state.json."""
+    from types import SimpleNamespace
+
+    from hf_zero.integrations.trainer_checkpoints import save_staged
+
+    class State(SimpleNamespace):
+        def save_to_json(self, path):
+            Path(path).write_text(json.dumps({"best": self.best_model_checkpoint}))
+
+    trainer = SimpleNamespace(
+        state=State(global_step=4, best_model_checkpoint=None),
+        args=SimpleNamespace(should_save=saving_rank, save_total_limit=None),
+        accelerator=SimpleNamespace(wait_for_everyone=lambda: None),
+    )
+    trainer._get_output_dir = lambda trial=None: str(tmp_path)
+    Path(tmp_path / "checkpoint-2").mkdir()
+
+    def save():  # what Trainer._save_checkpoint does, in the folder it is given
+        folder = Path(trainer._get_output_dir()) / "checkpoint-4"
+        folder.mkdir(parents=True)
+        trainer.state.best_model_checkpoint = str(folder)
+        trainer.state.save_to_json(folder / "trainer_state.json")
+
+    save_staged(trainer, None, save)
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
+    if not saving_rank:
+        return  # the other ranks only keep the path right; the saving rank publishes
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["best"] == str(tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]

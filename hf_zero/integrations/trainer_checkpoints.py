@@ -63,17 +63,20 @@ def save_staged(trainer, trial, save: Callable[[], None]) -> None:
     finally:
         del trainer._get_output_dir
     trainer.accelerator.wait_for_everyone()  # every rank's files are written
+    best = trainer.state.best_model_checkpoint
+    moved = best is not None and Path(best).parent.name == STAGING
+    if moved:  # the Trainer recorded the staged path: every rank keeps the published one
+        trainer.state.best_model_checkpoint = os.path.join(run_dir, Path(best).name)
     if trainer.args.should_save:
-        _publish(trainer, Path(staging) / name, Path(run_dir) / name)
+        staged = Path(staging) / name
+        if moved:
+            trainer.state.save_to_json(str(staged / "trainer_state.json"))
+        _publish(trainer, staged, Path(run_dir) / name)
     trainer.accelerator.wait_for_everyone()
 
 
 def _publish(trainer, staged: Path, final: Path) -> None:
     """Give the staged checkpoint its name, and rotate old ones as the Trainer would."""
-    best = trainer.state.best_model_checkpoint
-    if best is not None and Path(best).parent.name == STAGING:
-        trainer.state.best_model_checkpoint = str(final.parent / Path(best).name)
-        trainer.state.save_to_json(str(staged / "trainer_state.json"))
     _fsync_tree(staged)
     if final.exists():  # the same step saved again: the old one goes once the new one is in
         os.replace(final, staged.parent / f"replaced-{final.name}")
