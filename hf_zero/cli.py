@@ -104,6 +104,17 @@ def _model_shape(args: argparse.Namespace):
         return shape_of(AutoModelForCausalLM.from_config(config))
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a rank count, a size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: at least 1")
+    return value
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from hf_zero.memory import (
         PAPER_FORMULA,
@@ -130,8 +141,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         frozen = shape.params - int(float(args.trainable_params))
     gib = 2**30
     gas = args.gradient_accumulation_steps
+    if args.dp % args.hpz:
+        print(f"error: --hpz {args.hpz} must divide --dp {args.dp}", file=sys.stderr)
+        return 2
+    split = f" ({shape.tp_split_params:,} split by AutoTP)" if args.tp > 1 else ""
     print(
-        f"{shape.params:,} parameters ({shape.tp_split_params:,} split by AutoTP), "
+        f"{shape.params:,} parameters{split}, "
         f"{args.dp} data-parallel x {args.tp} tensor-parallel ranks, {args.precision}, Adam"
         + (f", {frozen:,} frozen" + _frozen_format(args.mixz) if frozen else "")
         + (f", hpZ {args.hpz}" if args.hpz > 1 else "")
@@ -151,9 +166,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         work = working_set_bytes(shape, stage, args.precision, args.tp)
         label = "opt+param" if offload_param else str(offload)
         hf = formula(stage, args.precision, offload, gas, offload_param)
+        # Stage 3's working set needs the layer sizes (--model / --model-config).
+        known = stage < 3 or shape.largest_unit_params
+        work_text = f"{work / gib:>14.2f}" if known else f"{'unknown':>14}"
         print(
             f"{stage:>5} {label:>9} {m['total'] / gib:>11.2f} "
-            f"{m['host_total'] / gib:>9.2f} {work / gib:>14.2f} "
+            f"{m['host_total'] / gib:>9.2f} {work_text} "
             f"{hf:>12} {PAPER_FORMULA[stage]:>11}"
         )
     if shape.hidden:
@@ -311,11 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", help="parameter count, e.g. 7e9")
     p.add_argument("--model-config", help="a local model directory or config.json")
     p.add_argument("--model", help=f"a known shape: {', '.join(MODEL_PRESETS)}")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (AutoTP)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (ZeRO 0-2 inside each)")
+    p.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks (AutoTP)")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline stages (ZeRO 0-2 inside each)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ partition size")
+    p.add_argument("--hpz", type=_positive, default=1, help="ZeRO++ hpZ partition size")
     p.add_argument("--trainable-params", help="LoRA: trainable count; the rest is frozen")
     p.add_argument(
         "--mixz",
@@ -325,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         help="frozen weights quantized: MixZ++ INT8 shards (stage 3; the default), or NF4/FP4 "
         "(a bitsandbytes 4-bit base at every stage, sharded at stage 3; or MixZ++ nf4/fp4)",
     )
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=_positive, default=2048)
+    p.add_argument("--micro-batch", type=_positive, default=1)
     p.add_argument(
         "--gradient-accumulation-steps",
         type=int,

@@ -15,7 +15,7 @@ import io
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -53,25 +53,27 @@ def exit_with(message: str, status: int = USAGE_STATUS) -> NoReturn:
     sys.exit(status)
 
 
-@contextlib.contextmanager
-def quiet_unless_rank_zero() -> Iterator[None]:
-    """Silence stderr on ranks other than 0 (argparse prints its usage errors there)."""
-    if is_rank_zero():
-        yield
-        return
-    with contextlib.redirect_stderr(io.StringIO()):
-        yield
-
-
 def parse_or_exit(parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run an argument parser; a mistake (argparse's, or a ``ValueError`` /
-    ``NotImplementedError`` from validating the values) is one line on rank 0 and exit 2."""
+    ``NotImplementedError`` from validating the values) is one line on rank 0 and exit 2.
+
+    argparse prints its whole usage before its error; for the Trainer's arguments that is over a
+    hundred lines above the one that matters, so only the error line is kept (``--help`` still
+    prints everything).
+    """
+    captured = io.StringIO()
     try:
-        with quiet_unless_rank_zero():
-            return parse(*args, **kwargs)
+        with contextlib.redirect_stderr(captured):
+            result = parse(*args, **kwargs)
     except (ValueError, NotImplementedError) as error:
         exit_with(str(error))
     except SystemExit as stop:  # argparse's usage errors (status 2); --help exits 0
-        if stop.code not in (0, None):
-            wait_for_rank_zero_report()
-        raise
+        if stop.code in (0, None):
+            sys.stderr.write(captured.getvalue())
+            raise
+        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
+        error = lines[-1] if lines else "invalid arguments"
+        error = error.split(": error: ", 1)[-1]
+        exit_with(f"{error} (--help lists the arguments)", stop.code)
+    sys.stderr.write(captured.getvalue())  # warnings printed while parsing
+    return result

@@ -18,7 +18,11 @@ changes, and only these:
 * the names ``accelerate.Accelerator`` / ``accelerate.accelerator.Accelerator`` point at
   `ZeroAccelerator` (a subclass), for custom Accelerate loops;
 * without a GPU, ``ACCELERATE_USE_CPU=true``: the launched processes form one gloo group, as
-  ``--use_cpu`` / ``accelerate launch --cpu`` would make them (see `hf_zero.integrations.cpu`).
+  ``--use_cpu`` / ``accelerate launch --cpu`` would make them (see `hf_zero.integrations.cpu`);
+  and ``TrainingArguments.__post_init__`` sets ``use_cpu`` first, as ``--use_cpu`` would, so
+  ``--bf16`` (TRL's default) passes transformers' own GPU check;
+* the script's ``--ddp_timeout``, if given, is the CPU group's timeout (transformers leaves it
+  out on CPU).
 
 If flags were given but the script never built a Trainer or an Accelerator (so hf_zero never
 ran), the command fails with a message saying so. A script run without this module behaves
@@ -122,7 +126,7 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
 def activate(values: dict[str, Any] | None = None, config_file: str | None = None) -> None:
     """Validate the settings, remember them and point ``transformers.Trainer`` at ZeroTrainer."""
     from hf_zero.config_sources import resolve_sources
-    from hf_zero.integrations.cpu import use_cpu_processes
+    from hf_zero.integrations.cpu import cpu_training_arguments, use_cpu_processes
 
     global _active
     # Bad settings fail before the script runs, including those that depend on the number of
@@ -130,6 +134,7 @@ def activate(values: dict[str, Any] | None = None, config_file: str | None = Non
     resolve_sources(values or {}, config_file).check_world(launched_world_size())
     _active = (dict(values or {}), config_file)
     use_cpu_processes()
+    cpu_training_arguments()
     patch_trainer()
     patch_accelerator()
 

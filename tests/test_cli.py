@@ -139,3 +139,29 @@ def test_estimate_pipeline_stages(capsys):
     assert float(rows["1"][0]) < float(rows["0"][0])  # ZeRO-1 shards the stage's Adam state
     assert main(["estimate", "--params", "7e9", "--pp", "2"]) == 2
     assert "--pp needs the model's layers" in capsys.readouterr().err
+
+
+def test_estimate_refuses_impossible_sizes_in_one_line(capsys):
+    for flags, message in (
+        (["--dp", "0"], "argument --dp: 0 is not allowed: at least 1"),
+        (["--dp", "-4"], "argument --dp: -4 is not allowed: at least 1"),
+        (["--dp", "eight"], "argument --dp: 'eight' is not a whole number"),
+        (["--dp", "8", "--hpz", "3"], "--hpz 3 must divide --dp 8"),
+    ):
+        try:
+            status = main(["estimate", "--params", "7e9", *flags])
+        except SystemExit as exit:  # argparse's own exit for a bad value
+            status = exit.code
+        err = capsys.readouterr().err
+        assert status == 2 and message in err, (flags, err)
+        assert "Traceback" not in err
+
+
+def test_estimate_says_what_it_cannot_know(capsys):
+    assert main(["estimate", "--params", "7e9", "--dp", "8"]) == 0
+    out = capsys.readouterr().out
+    stage3 = [line for line in out.splitlines() if line.startswith("    3")]
+    assert stage3 and all("unknown" in line for line in stage3), stage3  # no layer sizes
+    assert "split by AutoTP" not in out  # tp 1
+    assert main(["estimate", "--model", "llama-3-8b", "--dp", "8", "--tp", "2"]) == 0
+    assert "split by AutoTP" in capsys.readouterr().out

@@ -47,6 +47,7 @@ CASES = {
     "typo key": (["--zero_config", "{typo}"], "did you mean 'reduce_bucket_size'?"),
     "tp_size 3 on 2 processes": (["--tp_size", "3"], "'tp_size' = 3 must divide the number"),
     "model path": (["--model_name_or_path", "./no-such-model"], "'./no-such-model' is not a dir"),
+    "batch 0": (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 is not"),
 }
 
 
@@ -58,6 +59,7 @@ def test_recipe_mistakes_are_one_line_once(tmp_path, case):
     assert done.returncode != 0
     assert done.stderr.count(message) == 1, done.stderr[-4000:]
     assert 'finetune_lora.py", line' not in done.stderr, "a rank printed a traceback"
+    assert "usage:" not in done.stderr, "argparse's usage dump buries the one line"
     assert not (tmp_path / "out").exists()
 
 

@@ -193,6 +193,25 @@ def test_offload_kernel_swap_is_said_and_can_be_turned_off(fast_kernel):
             assert r["equal_to_on_device"]
 
 
+def _fused_choice() -> list[str]:
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("hf_zero.optim.sharded").addHandler(handler)
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)  # transformers' default
+    hf_zero.initialize(model, optimizer, stage=2, offload_optimizer="cpu")
+    return records
+
+
+def test_offload_with_fused_adamw_says_nothing():
+    """fused=True is what the fast kernel runs anyway: nothing changes, nothing to warn about."""
+    for records in run_distributed(_fused_choice, 2):
+        assert not [m for m in records if "fused CPU Adam kernel" in m], records
+
+
 def _copy_back(overlap: bool) -> dict:
     model = build_model()
     engine = hf_zero.initialize(

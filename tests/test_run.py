@@ -101,6 +101,21 @@ def test_unmodified_script_under_hf_zero_run_is_sharded_and_saves_a_loadable_mod
     assert r["reloaded_diff"] < 1e-5, r["reloaded_diff"]
     _check_one_data_parallel_group(out, done.stdout)
     assert done.stderr.count("hf_zero: stage 3 over 2 data-parallel ranks") == 1, done.stderr
+    # Only what concerns the user: no pin_memory warning from a CPU DataLoader.
+    assert "pin_memory" not in done.stderr, done.stderr[-3000:]
+
+
+def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
+    """TRL's configs default to bf16; transformers refuses --bf16 without a GPU unless --use_cpu
+    is typed. Under hf_zero.run neither the TRL default nor a plain --bf16 needs it."""
+    pytest.importorskip("trl")
+    trl = [a for a in TRL_ARGS if a not in ("--bf16", "false")]  # TRL's own default: bf16
+    for variant in ([], trl):
+        out = tmp_path / f"out{len(variant)}"
+        bf16 = [] if variant else ["--bf16"]
+        args = ["-m", "hf_zero.run", SCRIPT, *variant, *bf16, "--output_dir", str(out)]
+        done = _launch([*args, *TRAIN_ARGS, "--zero_stage", "2"])
+        assert "hf_zero: stage 2 over 2 data-parallel ranks, bf16" in done.stderr, done.stderr
 
 
 def test_losses_under_hf_zero_run_equal_plain_ddp_without_use_cpu(tmp_path):
@@ -128,8 +143,10 @@ def test_pipeline_stages_under_hf_zero_run_equal_plain_ddp(tmp_path):
     args = [*TRAIN_ARGS, "--gradient_accumulation_steps", "2"]
     _launch([SCRIPT, "--output_dir", str(ddp), *args, "--use_cpu", "true"])
     flags = ["--pp_size", "2", "--zero_stage", "1"]
-    _launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp), *args,
-             *flags])  # fmt: skip
+    done = _launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp),
+                    *args, *flags])  # fmt: skip
+    start = "hf_zero: pipeline of 2 stages (1f1b) x 2 data-parallel (ZeRO stage 1)"
+    assert done.stderr.count(start) == 1, done.stderr[-3000:]
     reference, ours = _losses(_reports(ddp)[0]), _losses(_report(pp))
     assert len(reference) == len(ours) == 6
     assert max(abs(a - b) for a, b in zip(reference, ours)) < 1e-5, (reference, ours)

@@ -57,19 +57,23 @@ class StallWatchdog:
         self._stop.set()
 
     def _run(self) -> None:
-        last, since, reported = None, time.monotonic(), False
+        state = [None, time.monotonic(), False]  # waiting point, since when, reported
         while not self._stop.wait(min(1.0, self.seconds / 4)):
-            frame = sys._current_frames().get(self._main.ident)
-            point = (id(frame), frame.f_lasti) if frame is not None else None
-            now = time.monotonic()
-            if point != last:
-                if reported:
-                    self._clear()
-                last, since, reported = point, now, False
-                continue
-            if reported or now - since < self.seconds or not _in_collective(frame):
-                continue
-            reported = True
+            self._look(state)
+
+    def _look(self, state: list) -> None:
+        """One look at the main thread. The frame is not kept past this call: a frame holds its
+        locals alive, and the main thread's temporaries must be freed when it returns."""
+        frame = sys._current_frames().get(self._main.ident)
+        point = (id(frame), frame.f_lasti) if frame is not None else None
+        last, since, reported = state
+        now = time.monotonic()
+        if point != last:
+            if reported:
+                self._clear()
+            state[:] = [point, now, False]
+        elif not reported and now - since >= self.seconds and _in_collective(frame):
+            state[2] = True
             with contextlib.suppress(Exception):  # never let reporting hurt the run
                 self._report(frame, now - since)
 

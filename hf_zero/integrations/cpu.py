@@ -39,10 +39,11 @@ def ensure_cpu_args(args) -> None:
     arguments already set their devices up without the switch, the set-up is redone at once
     (transformers resets Accelerate's shared state when it does so).
     """
+    if no_gpu():
+        args.dataloader_pin_memory = False  # as use_cpu does: torch warns on every DataLoader
     if not no_gpu() or args.use_cpu or os.environ.get(CPU_ENV, "").lower() in ("1", "true"):
         return  # already one CPU group (the user's flag, or `use_cpu_processes`)
     args.use_cpu = True
-    args.dataloader_pin_memory = False  # as TrainingArguments does for use_cpu
     if args.__dict__.pop("_setup_devices", None) is not None:  # functools.cached_property
         _ = args.device
 
@@ -54,3 +55,22 @@ def create_cpu_group(backend: str | None, timeout_s: float | None) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
     if no_gpu() and launched and not dist.is_initialized():
         init_distributed(backend or "gloo", timeout=timeout_s)
+
+
+def cpu_training_arguments() -> None:
+    """With no GPU, every ``TrainingArguments`` built later in this process (TRL's configs
+    too) sets ``use_cpu`` before its own checks, as a user typing ``--use_cpu`` would: its bf16
+    check otherwise refuses ``--bf16`` on a CPU ("Your setup doesn't support bf16/gpu").
+    Idempotent."""
+    from transformers import TrainingArguments
+
+    if not no_gpu() or getattr(TrainingArguments.__post_init__, "_hf_zero_cpu", False):
+        return
+    original = TrainingArguments.__post_init__
+
+    def __post_init__(self, *args, **kwargs):
+        self.use_cpu = True
+        return original(self, *args, **kwargs)
+
+    __post_init__._hf_zero_cpu = True
+    TrainingArguments.__post_init__ = __post_init__

@@ -91,6 +91,9 @@ class ZeroTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         # Checked first: bad settings fail before TrainingArguments touches any device.
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} is not allowed: at least 1")
         self.zero = self.resolve_zero_config()
         if "WORLD_SIZE" in os.environ:  # launched: the process count is known now
             self.zero.check_world(int(os.environ["WORLD_SIZE"]))

@@ -162,16 +162,15 @@ class ShardedOptimizer:
             and fast_kernel
         )  # fmt: skip
         """Offload: the user's Adam/AdamW is stepped by torch's fused CPU kernel instead."""
-        if self.fast_kernel and dp_group.rank_of(torch.distributed.get_rank()) == 0:
-            # Visible, because the numbers change in the last bits (not for fused=True).
-            fused = all(g.get("fused") for g in optimizer.param_groups)
+        fused = all(g.get("fused") for g in optimizer.param_groups)
+        if self.fast_kernel and not fused and dp_group.rank_of(torch.distributed.get_rank()) == 0:
+            # Visible, because the numbers change in the last bits (with fused=True, the user's
+            # own choice and transformers' default, they do not: nothing to say).
             logger.warning(
-                "hf_zero: offloaded %s steps run torch's fused CPU Adam kernel%s; set "
+                "hf_zero: offloaded %s steps run torch's fused CPU Adam kernel instead of its "
+                "for-loop/foreach one (same formula, last-bit rounding differs); set "
                 "'offload_optimizer_fast_kernel': false to run your optimizer's own step()",
                 type(optimizer).__name__,
-                " (as you asked: fused=True)"
-                if fused
-                else " instead of its for-loop/foreach one (same formula, last-bit rounding differs)",
             )
         self._group_of_master = {id(g.master): g for g in groups}
         self.overlap_copy_back = True

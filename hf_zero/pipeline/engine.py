@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,14 @@ class PipelineEngine:
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self.grad_norm_post_clip: float | None = None
+        if dist.get_rank() == 0:  # one start line, as the ZeRO engine prints
+            print(
+                f"hf_zero: pipeline of {topo.pp_size} stages ({config.pp_schedule}) x "
+                f"{topo.dp_size} data-parallel (ZeRO stage {config.stage}) x {topo.tp_size} "
+                "tensor-parallel ranks",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _apply_tp(self) -> TensorParallel:
         plan = resolve_plan(self.module, self.config.tp_plan)
