@@ -98,6 +98,11 @@ CODE_DTYPES = {
 }
 
 
+CACHED_TENSORS = 4
+"""Tensors whose last small read a reader keeps (a group's master and optimizer state are read
+in turn, parameter by parameter): at most 4 x 1 MiB."""
+
+
 class SafetensorsSliceReader:
     """Reads a safetensors file with positioned reads: no memory map, so pages of the file never
     pile up in the process. Nothing in the file is trusted: when it is opened, every tensor's
@@ -125,7 +130,7 @@ class SafetensorsSliceReader:
         self.header = parsed
         self.data_start = 8 + size
         self.crcs = _parse_crcs(metadata.get(CRC_KEY), path)
-        self._last: dict[str, tuple[int, torch.Tensor]] = {}  # per tensor: its last small read
+        self._last: dict[str, tuple[int, torch.Tensor]] = {}  # a few tensors' last small read
         _check_entries(self.header, self.crcs, file_size - self.data_start, path)
 
     def keys(self) -> list[str]:
@@ -149,14 +154,17 @@ class SafetensorsSliceReader:
         blocks = self.crcs.get(key)
         if blocks is not None:  # read whole blocks, verify them, keep the part asked for
             lo, hi = lo - lo % CRC_BLOCK, min(-(-hi // CRC_BLOCK) * CRC_BLOCK, numel * itemsize)
-        cached_lo, cached = self._last.get(key, (0, torch.empty(0)))
+        cached_lo, cached = self._last.pop(key, (0, torch.empty(0)))
         if cached_lo <= lo and hi <= cached_lo + cached.numel():
             data = cached[lo - cached_lo : hi - cached_lo]  # small neighbours share blocks
         else:
-            data = self._read_verified(key, entry, lo, hi, blocks)
+            cached_lo, cached = lo, self._read_verified(key, entry, lo, hi, blocks)
+            data = cached
             if data.numel() > 4 * CRC_BLOCK:  # a large read is this caller's alone
                 return data[start * itemsize - lo : stop * itemsize - lo].view(dtype)
-            self._last[key] = (lo, data)
+        self._last[key] = (cached_lo, cached)  # most recent last
+        while len(self._last) > CACHED_TENSORS:
+            del self._last[next(iter(self._last))]
         # Always a fresh tensor: optimizers update step counters in place.
         return data[start * itemsize - lo : stop * itemsize - lo].clone().view(dtype)
 

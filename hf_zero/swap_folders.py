@@ -27,6 +27,7 @@ logger = logging.getLogger("hf_zero.swap")
 
 RUN_PREFIX = "hf_zero-swap-"
 _RANK_DIR = re.compile(r"^rank\d+\.(?:(?P<host>.+)\.)?(?P<pid>\d+)$")
+_REMOVING = re.compile(r"^\.removing-(?P<pid>\d+)-")
 _open: list[Callable[[], None]] = []
 _installed = False
 
@@ -69,14 +70,25 @@ def remove_stale(root: Path) -> list[Path]:
     host = socket.gethostname()
     removed = []
     for run in root.glob(f"{RUN_PREFIX}*"):
-        for rank_dir in run.iterdir() if run.is_dir() else []:
+        for rank_dir in _entries(run):
+            remover = _REMOVING.match(rank_dir.name)
+            if remover is not None and not _alive(int(remover["pid"])):
+                shutil.rmtree(rank_dir, ignore_errors=True)  # a removal that was cut short
+                continue
             match = _RANK_DIR.match(rank_dir.name)
             if match is None or match["host"] not in (None, host):
                 continue  # not ours to judge: another host's, or not a rank folder
             if _alive(int(match["pid"])):
                 continue
-            size = _tree_mib(rank_dir)
-            shutil.rmtree(rank_dir, ignore_errors=True)
+            # The other ranks of this host look at the same folders at the same time: whoever
+            # renames it first removes it, the others skip it.
+            claimed = rank_dir.with_name(f".removing-{os.getpid()}-{rank_dir.name}")
+            try:
+                rank_dir.rename(claimed)
+            except OSError:
+                continue
+            size = _tree_mib(claimed)
+            shutil.rmtree(claimed, ignore_errors=True)
             logger.warning(
                 "hf_zero: removed %s (%.1f MiB), the swap folder of process %s, which has ended",
                 rank_dir, size, match["pid"],
@@ -87,13 +99,20 @@ def remove_stale(root: Path) -> list[Path]:
     return removed
 
 
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError:  # removed meanwhile, or not a folder
+        return []
+
+
 def describe_others(root: Path, own: Path) -> str:
-    """The other swap folders under ``root`` and their sizes, for a full-disk message."""
+    """Other runs' swap folders under ``root`` and their sizes, for a full-disk message."""
     others = [
         f"{d} ({_tree_mib(d):.1f} MiB)"
-        for run in root.glob(f"{RUN_PREFIX}*")
-        for d in (run.iterdir() if run.is_dir() else [])
-        if d != own
+        for run in sorted(root.glob(f"{RUN_PREFIX}*"))
+        if run != own.parent
+        for d in _entries(run)
     ]
     if not others:
         return ""
@@ -111,4 +130,9 @@ def _alive(pid: int) -> bool:
 
 
 def _tree_mib(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+    total = 0
+    with contextlib.suppress(OSError):  # a folder another process is removing
+        for p in path.rglob("*"):
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size if p.is_file() else 0
+    return total / 2**20
