@@ -120,13 +120,13 @@ def publish(tmp: Path, directory: Path, meta_name: str, meta: dict, keep_last: i
     and prune older siblings to ``keep_last``."""
     _write_text(tmp / meta_name, json.dumps(meta, indent=1))
     _write_text(tmp / MARKER, time.strftime("%Y-%m-%dT%H:%M:%S"))
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     old = directory.with_name(directory.name + ".old")
     if directory.exists():
         shutil.rmtree(old, ignore_errors=True)
         directory.rename(old)
     tmp.rename(directory)
-    _fsync_dir(directory.parent)
+    fsync_path(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
     if keep_last:
         _rotate(directory, keep_last, meta_name, meta.get("run_id"))
@@ -214,7 +214,8 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (a rename into it), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ def no_space_error(error: OSError, folder: str | Path, previous: Iterable[Path] 
     if isinstance(error, NoSpaceError) and isinstance(error.__cause__, OSError):
         error = error.__cause__  # told again for a wider folder (a Trainer's output directory)
     free = shutil.disk_usage(folder).free
-    size = max((_tree_bytes(Path(p)) for p in previous), default=0)
+    size = max((tree_bytes(Path(p)) for p in previous), default=0)
     took = f"; the last checkpoint took {size / 2**20:.1f} MiB" if size else ""
     return NoSpaceError(
         errno.ENOSPC,
@@ -29,7 +30,12 @@ def no_space_error(error: OSError, folder: str | Path, previous: Iterable[Path] 
     )
 
 
-def _tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (or of the file), skipping what vanishes meanwhile (a
+    folder another process is removing)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size if p.is_file() else 0
+    return total

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_zero.disk_space import tree_bytes
+
 logger = logging.getLogger("hf_zero.swap")
 
 RUN_PREFIX = "hf_zero-swap-"
@@ -130,9 +132,4 @@ def _alive(pid: int) -> bool:
 
 
 def _tree_mib(path: Path) -> float:
-    total = 0
-    with contextlib.suppress(OSError):  # a folder another process is removing
-        for p in path.rglob("*"):
-            with contextlib.suppress(OSError):
-                total += p.stat().st_size if p.is_file() else 0
-    return total / 2**20
+    return tree_bytes(path) / 2**20

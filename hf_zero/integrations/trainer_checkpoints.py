@@ -23,6 +23,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from hf_zero.checkpoint import fsync_path
 from hf_zero.disk_space import no_space_error
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def _publish(trainer, staged: Path, final: Path) -> None:
     if final.exists():  # the same step saved again: the old one goes once the new one is in
         os.replace(final, staged.parent / f"replaced-{final.name}")
     os.replace(staged, final)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(staged.parent, ignore_errors=True)
     rotate_checkpoints(
         output_dir=str(final.parent),
@@ -94,20 +95,6 @@ def _publish(trainer, staged: Path, final: Path) -> None:
 def _fsync_tree(path: Path) -> None:
     """Flush every file and folder of ``path`` to disk before the rename publishes it."""
     for p in sorted(path.rglob("*"), reverse=True):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif p.is_dir():
-            _fsync_dir(p)
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        if p.is_file() or p.is_dir():
+            fsync_path(p)
+    fsync_path(path)
