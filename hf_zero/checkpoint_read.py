@@ -156,17 +156,23 @@ class SafetensorsSliceReader:
             lo, hi = lo - lo % CRC_BLOCK, min(-(-hi // CRC_BLOCK) * CRC_BLOCK, numel * itemsize)
         cached_lo, cached = self._last.pop(key, (0, torch.empty(0)))
         if cached_lo <= lo and hi <= cached_lo + cached.numel():
-            data = cached[lo - cached_lo : hi - cached_lo]  # small neighbours share blocks
+            data, shared = cached[lo - cached_lo : hi - cached_lo], True  # a neighbour's block
+            self._last[key] = (cached_lo, cached)
         else:
-            cached_lo, cached = lo, self._read_verified(key, entry, lo, hi, blocks)
-            data = cached
-            if data.numel() > 4 * CRC_BLOCK:  # a large read is this caller's alone
-                return data[start * itemsize - lo : stop * itemsize - lo].view(dtype)
-        self._last[key] = (cached_lo, cached)  # most recent last
+            shared = False
+            data = self._read_verified(key, entry, lo, hi, blocks)
+            # Only the last block is kept: sequential small reads share it, and holding more
+            # would grow with the tensors a caller walks through.
+            tail = max(lo, hi - CRC_BLOCK)
+            self._last[key] = (tail, data[tail - lo :].clone())
         while len(self._last) > CACHED_TENSORS:
             del self._last[next(iter(self._last))]
-        # Always a fresh tensor: optimizers update step counters in place.
-        return data[start * itemsize - lo : stop * itemsize - lo].clone().view(dtype)
+        part = data[start * itemsize - lo : stop * itemsize - lo]
+        # A fresh tensor that holds no more than it shows: optimizers update step counters in
+        # place, and a small view would pin its whole block.
+        if shared or part.numel() <= data.numel() // 2:
+            part = part.clone()
+        return part.view(dtype)
 
     def _read_verified(self, key: str, entry: dict, lo: int, hi: int, blocks) -> torch.Tensor:
         """Bytes ``[lo, hi)`` of ``key``'s data, all of them, checked against ``blocks``."""
