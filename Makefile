@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hf_zero-installed
 
-.PHONY: setup train test test-fast lint format gpu-check gpu-wheels
+.PHONY: setup train test test-fast lint format notebooks gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ test: setup
 # World-size-4 cases deselected: for quick local iterations only (CI runs `make test`).
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow"
+
+# Re-run the notebooks and store their outputs (tests/test_notebooks.py checks they are current).
+notebooks: setup
+	$(BIN)/python scripts/execute_notebooks.py
 
 lint: setup
 	$(BIN)/ruff check .

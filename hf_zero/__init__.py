@@ -1,7 +1,8 @@
 """hf_zero: ZeRO data parallelism for Hugging Face training, built on torch.distributed."""
 
 from hf_zero.config import ZeroConfig
-from hf_zero.engine import ZeroEngine, gathered_parameters, initialize
+from hf_zero.engine import ZeroEngine, initialize
+from hf_zero.gathered import gathered_parameters
 from hf_zero.partitioned_init import load_partitioned, partitioned_init
 from hf_zero.stage3_units import num_parameters
 from hf_zero.topology import Topology, current_device, init_distributed

@@ -25,7 +25,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
     try:
-        config = ZeroConfig.load(args.path, **overrides)
+        config = ZeroConfig.load(args.path).replace(**overrides)  # --set: what-if, it wins
     except (ValueError, NotImplementedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

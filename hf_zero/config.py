@@ -135,6 +135,9 @@ class ZeroConfig:
     check_execution_order: bool = True
     """Stage 3: check at every module entry that all ranks run the same module (one tiny
     all-gather each), so rank-dependent control flow raises instead of deadlocking."""
+    save_16bit_model: bool = False
+    """Saved models (``save_model``, ``get_state_dict``) at the training precision (bf16/fp16)
+    instead of each parameter's dtype before training (fp32 masters for an fp32 model)."""
 
     # --- ZeRO++ and MixZ++ -------------------------------------------------------------------
     quantized_weights: bool = False
@@ -189,9 +192,12 @@ class ZeroConfig:
     ) -> ZeroConfig:
         """Build a config from a file path, a dict (hf_zero or DeepSpeed format) or nothing.
 
-        ``overrides`` win over the source (they are what CLI flags carry). Values of ``None`` in
-        ``overrides`` mean "not given" and are ignored.
+        ``overrides`` (keyword arguments, e.g. ``initialize(..., stage=3)``) add to what a file
+        or dict sets; one that contradicts a value it sets explicitly is a ``ValueError`` naming
+        both (as a command-line flag against a ``--zero_config`` file is). Values of ``None``
+        mean "not given"; a ``ZeroConfig`` source is overridden (it holds defaults too).
         """
+        explicit = not isinstance(source, ZeroConfig)
         if isinstance(source, ZeroConfig):
             values = dataclasses.asdict(source)
         elif source is None:
@@ -200,9 +206,17 @@ class ZeroConfig:
             raw = read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
             values = values_of(raw)
         for key, value in overrides.items():
-            if value is not None:
-                check_keys({key: value})
-                values[key] = value
+            if value is None:
+                continue
+            check_keys({key: value})
+            if explicit and values.get(key, value) not in (value, AUTO):
+                where = source if isinstance(source, (str, Path)) else "the config dict"
+                raise ValueError(
+                    f"hf_zero: the keyword argument {key}={value!r} contradicts '{key}' = "
+                    f"{values[key]!r} in {where}; change one of them (a silent override hides "
+                    "mistakes)"
+                )
+            values[key] = value
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

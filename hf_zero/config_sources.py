@@ -52,7 +52,7 @@ def resolve_sources(
     process-group work.
     """
     env = os.environ if env is None else env
-    flag_names = flag_names or {}
+    flag_names = flag_names or {field: flag for flag, field in CLI_FLAGS.items()}
     env_file = env.get(ENV_VAR) or None
     from_env = explicit_values(env_file)
     from_file = explicit_values(config_file)

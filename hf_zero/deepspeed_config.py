@@ -161,10 +161,12 @@ KEYS: dict[str, Fate] = {
         INHERENT, "unused parameters get zero gradients (DeepSpeed's default, true)"
     ),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": Fate(
-        INHERENT, "saving always gathers whole weights (`full_state_dict`)"
+        INHERENT,
+        "saving always gathers whole weights, each in its dtype before training (`save_16bit_model` for the training precision)",
     ),
     "zero_optimization.gather_16bit_weights_on_model_save": Fate(
-        INHERENT, "saving always gathers whole weights (`full_state_dict`)"
+        INHERENT,
+        "saving always gathers whole weights, each in its dtype before training (`save_16bit_model` for the training precision)",
     ),
     "zero_optimization.allgather_bucket_size": Fate(
         NO_EFFECT,

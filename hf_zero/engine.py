@@ -22,8 +22,8 @@ from hf_zero import checkpoint, host_memory
 from hf_zero.comm import Collectives, CommStats
 from hf_zero.comm.watchdog import StallWatchdog
 from hf_zero.config import ZeroConfig
-from hf_zero.flat_group import FlatParamGroup
-from hf_zero.full_state_dict import full_state_dict
+from hf_zero.full_state_dict import full_state_dict, saved_state_dict
+from hf_zero.gathered import gathered_parameters
 from hf_zero.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.memory import loose_param_bytes
 from hf_zero.model_checks import check_materialized, check_same_model
@@ -32,7 +32,7 @@ from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.packed import disable_cpu_repacking, is_packed, quant_state_tensors
 from hf_zero.precision import DTYPES, LossScaler
 from hf_zero.reducer import GradientReducer
-from hf_zero.stage3 import Zero3Coordinator, gathered
+from hf_zero.stage3 import Zero3Coordinator
 from hf_zero.stage3_state_dict import StateDictHooks, mark_whole_shapes
 from hf_zero.stage3_units import true_numel
 from hf_zero.topology import Topology, current_device, hpz_size, init_distributed
@@ -112,6 +112,8 @@ class ZeroEngine:
         self.dtype = DTYPES[config.precision]
 
         check_materialized(model)
+        self.loaded_dtypes = {id(p): p.dtype for p in model.parameters()}
+        """Each parameter's dtype before training: the dtype a saved model has."""
         check_same_model(model, self.comm, self.topology.world, self.device)
         model.to(self.device)
         disable_cpu_repacking(model)
@@ -212,7 +214,9 @@ class ZeroEngine:
                 if self.tp
                 else []
             ),
-            f"{len(self.groups)} trainable buckets",
+            f"{len(self.groups)} trainable buckets"
+            if self.groups
+            else "evaluation only (no trainable parameters)",
         ]
         if config.offload_optimizer != "none":
             parts.append(f"optimizer offloaded to {config.offload_optimizer}")
@@ -454,6 +458,12 @@ class ZeroEngine:
         """
         return full_state_dict(self, rank0_only, master_weights)
 
+    def saved_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``save_model`` and ``get_state_dict`` write (collective; ``{}`` off rank 0):
+        each parameter in its dtype before training, or the training precision with the
+        config's ``save_16bit_model``."""
+        return saved_state_dict(self)
+
     def save_checkpoint(self, directory: str | Path, keep_last: int | None = None) -> None:
         """Write master shards and optimizer state, one file per rank, atomically (collective).
 
@@ -471,27 +481,3 @@ class ZeroEngine:
         return gathered_parameters(
             self.module.parameters() if params is None else params, modifier_rank
         )
-
-
-@contextlib.contextmanager
-def gathered_parameters(params, modifier_rank: int | None = None) -> Iterator[None]:
-    """Make parameters whole for the block: for inspection, surgery or custom initialisation.
-
-    Works for every stage (under stages 0-2 parameters are whole already). If
-    ``modifier_rank`` is given, that rank's values at the end of the block are broadcast to the
-    others and written back into the shards and the fp32 master weights, so the change survives
-    the next optimizer step. Without it, changes are discarded (stage 3) or left unsynchronised.
-    Collective: every rank must enter the block with the same parameters.
-    """
-    params = list(params)
-    groups = list(dict.fromkeys(g for p in params if (g := _group_of(p)) is not None))
-    with gathered(groups):
-        yield
-        if modifier_rank is not None:
-            with torch.no_grad():
-                for group in groups:
-                    group.publish_from(modifier_rank)
-
-
-def _group_of(param: torch.Tensor) -> FlatParamGroup | None:
-    return getattr(param, "_hf_zero_group", None)

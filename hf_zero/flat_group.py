@@ -222,6 +222,11 @@ class FlatParamGroup:
         if not async_op:
             self.wait_gather()
 
+    @property
+    def gather_pending(self) -> bool:
+        """A gather was started and its parameters are not pointed at it yet."""
+        return self._gathering_with is not None
+
     def prefetch_shard(self) -> None:
         """Start reading this group's shard ahead of its gather (NVMe tier; else a no-op)."""
         if self.tier is not None and self.flat_param is None:
@@ -367,6 +372,7 @@ class FlatParamGroup:
     # --- after the optimizer step ------------------------------------------------------------
     def gather_params(self, async_op: bool):
         """Bring the parameters up to date with the stepped master weights."""
+        self.release()  # stage 3: a copy gathered before the step would be stale
         self.drop_secondary()
         if self.master_aliases_params and self.stage in (0, 3):
             return None  # the step updated the parameters themselves

@@ -8,14 +8,48 @@ time. A bitsandbytes weight's quantization state is read while its group is gath
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from hf_zero.stage3 import gathered
+from hf_zero.gathered import gathered
 
 if TYPE_CHECKING:
     from hf_zero.engine import ZeroEngine
+
+logger = logging.getLogger(__name__)
+
+
+def saved_state_dict(engine: ZeroEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """What a saved model holds (collective): each parameter in the dtype it had before
+    training, trainable ones from their fp32 master weights, as the same script saves without
+    hf_zero (an fp32 model trained with ``--bf16`` under autocast stays fp32). With the config's
+    ``save_16bit_model``: the parameters as trained, at the training precision."""
+    if engine.config.save_16bit_model:
+        return full_state_dict(engine, rank0_only)
+    state = full_state_dict(engine, rank0_only, master_weights=True)
+    names = dict(engine.module.named_parameters(remove_duplicate=False))
+    cast: dict[int, torch.Tensor] = {}  # tied keys stay one tensor
+    widened = set()
+    for key, value in state.items():
+        p = names.get(key)
+        dtype = engine.loaded_dtypes.get(id(p)) if p is not None else None
+        if dtype is None or not value.is_floating_point() or value.dtype == dtype:
+            continue
+        if id(value) not in cast:
+            cast[id(value)] = value.to(dtype)
+        state[key] = cast[id(value)]
+        if not p.requires_grad and dtype.itemsize > value.dtype.itemsize:
+            widened.add(key)
+    if widened and not hasattr(engine.module, "peft_config"):  # PEFT saves adapters only
+        logger.warning(
+            "hf_zero: %d frozen parameters (first: %s) were held in %s during training; they "
+            "are saved as those values in their original dtype (the original values are not "
+            "kept)",
+            len(widened), sorted(widened)[0], engine.dtype,
+        )  # fmt: skip
+    return state
 
 
 def full_state_dict(

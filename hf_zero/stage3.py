@@ -36,15 +36,15 @@ leaves the trace still meets the others' checks and raises, and they raise at th
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
 
 from hf_zero.comm import Collectives
 from hf_zero.flat_group import FlatParamGroup
+from hf_zero.stage3_entry import entry_modules, mark_sharded
 from hf_zero.stage3_saved import SavedWeightViews
 from hf_zero.stage3_units import assign_params_to_units, find_units  # noqa: F401 (re-exported)
 from hf_zero.topology import Group
@@ -138,9 +138,13 @@ class Zero3Coordinator:
         self.saved = SavedWeightViews(gather=self._gather_on_demand)
         """Keeps autograd's saved views of gathered weights from pinning released buffers."""
         self._handles = []
+        self._entered_below: list[tuple[torch.nn.Module, Unit]] = []
         for unit in units:
             if unit.groups:
                 self._install(unit)
+        for module, unit in entry_modules(units):
+            self._install_entry(module, unit)
+        mark_sharded(units[0].module)
 
     def _install(self, unit: Unit) -> None:
         module = unit.module
@@ -157,7 +161,46 @@ class Zero3Coordinator:
             )
         )
 
+    def _install_entry(self, module: torch.nn.Module, unit: Unit) -> None:
+        self._handles.append(
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, u=unit: self._enter_below(m, u, args, kwargs),
+                with_kwargs=True,
+                prepend=True,
+            )
+        )
+        self._handles.append(
+            module.register_forward_hook(lambda m, args, out, u=unit: self._leave_below(m, u, out))
+        )
+
     # --- forward -----------------------------------------------------------------------------
+    def _enter_below(self, module: torch.nn.Module, unit: Unit, args, kwargs):
+        """A module inside ``unit`` is called: a no-op inside the unit's own forward; otherwise
+        (the call entered the model below ``unit.module``) the unit is entered here."""
+        if unit.is_gathered:
+            if any(g.gather_pending for g in unit.groups):
+                self._gather(unit)  # a prefetch still on its way
+            return None
+        self._entered_below.append((module, unit))
+        if not unit.is_root:
+            return self._pre_forward(unit, args, kwargs)
+        # The root stays gathered after such a call (a generate() loop enters here every
+        # token), until the next full forward ends, backward ends, or the optimizer steps.
+        self._check("enter", unit.index, settled=True)
+        self._gather(unit)
+        trace = self.forward_trace
+        self._fwd_cursor = 1 if trace and trace[0] == unit.index else 0  # prefetch along it
+        return None
+
+    def _leave_below(self, module: torch.nn.Module, unit: Unit, output) -> None:
+        if not self._entered_below or self._entered_below[-1][0] is not module:
+            return None
+        self._entered_below.pop()
+        if not unit.is_root:
+            return self._post_forward(unit, output)
+        self._watch_backward(unit, output)
+        return None
+
     def _pre_forward(self, unit: Unit, args, kwargs):
         if unit.is_root and not _in_backward():
             self._fwd_cursor = 0
@@ -195,15 +238,18 @@ class Zero3Coordinator:
         elif not _in_backward() and not self._runs_next(unit):
             unit_release(unit)
         if needs_backward:
-            # A hook, not a wrapper: outputs stay the tensors the module made, so callers may
-            # modify them in place (the Trainer scales the loss with `loss *= ...`).
-            outputs = [
-                x for x in pytree.tree_leaves(output) if torch.is_tensor(x) and x.requires_grad
-            ]
+            self._watch_backward(unit, output)
+        return None
+
+    def _watch_backward(self, unit: Unit, output) -> None:
+        """Enter ``unit``'s backward when gradients reach ``output``."""
+        # A hook, not a wrapper: outputs stay the tensors the module made, so callers may
+        # modify them in place (the Trainer scales the loss with `loss *= ...`).
+        outputs = [x for x in pytree.tree_leaves(output) if torch.is_tensor(x) and x.requires_grad]
+        if outputs and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(
                 outputs, lambda grad: self._pre_backward(unit), mode="any"
             )
-        return None
 
     def _runs_next(self, unit: Unit) -> bool:
         trace = self.forward_trace
@@ -392,16 +438,3 @@ def gather_groups(groups: Iterable[FlatParamGroup], exact: bool = False) -> None
         group.gather(async_op=True, exact=exact)
     for group in groups:
         group.wait_gather()
-
-
-@contextlib.contextmanager
-def gathered(groups: Iterable[FlatParamGroup]) -> Iterator[None]:
-    """Gather stage-3 groups exactly (never quantized) for the duration of the block; release
-    those it gathered."""
-    mine = [g for g in groups if g.stage == 3 and g.flat_param is None]
-    gather_groups(mine, exact=True)
-    try:
-        yield
-    finally:
-        for g in mine:
-            g.release()

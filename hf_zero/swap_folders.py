@@ -68,7 +68,7 @@ def forget(close: Callable[[], None]) -> None:
 
 def remove_stale(root: Path) -> list[Path]:
     """Remove the rank folders under ``root`` left by processes of this host that no longer
-    exist (and their run folders once empty); returns what was removed."""
+    exist (and the run folders of ended launchers once empty); returns what was removed."""
     host = socket.gethostname()
     removed = []
     for run in root.glob(f"{RUN_PREFIX}*"):
@@ -96,6 +96,9 @@ def remove_stale(root: Path) -> list[Path]:
                 rank_dir, size, match["pid"],
             )  # fmt: skip
             removed.append(rank_dir)
+        launcher = run.name.removeprefix(RUN_PREFIX)
+        if launcher.isdigit() and _alive(int(launcher)):
+            continue  # a live run: its ranks may be creating their folders in it right now
         with contextlib.suppress(OSError):
             run.rmdir()
     return removed

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from recipe_utils import (
     check_model_source,
+    check_pipeline_fits,
     load_model_and_tokenizer,
     make_lm_dataset,
     train_and_save,
@@ -76,6 +77,9 @@ def main(argv=None) -> None:
     parser = HfArgumentParser((DataArguments, ZeroTrainingArguments))
     data, args = parse_or_exit(parser.parse_args_into_dataclasses, args=argv)
     parse_or_exit(check_model_source, data.model_name_or_path)
+    source, flag = data.model_config or data.model_name_or_path, "--model_config"
+    flag = flag if data.model_config else "--model_name_or_path"
+    parse_or_exit(check_pipeline_fits, args.zero.pp_size, source, flag)
     logging.basicConfig(level=logging.INFO if args.process_index == 0 else logging.WARNING)
     if data.model_config is not None:
         model, tokenizer = model_from_config(data.model_config, args)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from recipe_utils import (
     check_model_source,
+    check_pipeline_fits,
     load_model_and_tokenizer,
     load_quantized_base,
     load_tokenizer,
@@ -90,6 +91,8 @@ def main(argv=None) -> None:
     parser = HfArgumentParser((LoraArguments, ZeroTrainingArguments))
     script, args = parse_or_exit(parser.parse_args_into_dataclasses, args=argv)
     parse_or_exit(check_model_source, script.model_name_or_path)
+    source = script.model_name_or_path
+    parse_or_exit(check_pipeline_fits, args.zero.pp_size, source, "--model_name_or_path")
     logging.basicConfig(level=logging.INFO if args.process_index == 0 else logging.WARNING)
     from peft import LoraConfig, get_peft_model
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import torch
 
-from hf_zero.tiny import tiny_corpus, tiny_llama, tiny_tokenizer
+from hf_zero.tiny import TINY_DECODER, tiny_corpus, tiny_llama, tiny_tokenizer
 
 
 def check_model_source(name: str | None) -> None:
@@ -39,6 +39,25 @@ def check_model_source(name: str | None) -> None:
             f"{flag} is not a local directory, not in the cache, and the Hub cannot be reached "
             f"({getattr(error, 'reason', error)})"
         ) from None
+
+
+def check_pipeline_fits(pp_size: int, source: str | None, flag: str) -> None:
+    """Raise one clear ``ValueError`` when ``--pp_size`` exceeds the model's decoder layers
+    (every stage needs one), read from its config before anything is built."""
+    if pp_size <= 1:
+        return
+    if source is None:
+        layers, what = TINY_DECODER["num_hidden_layers"], "the embedded tiny Llama"
+    else:
+        from transformers import AutoConfig
+
+        layers = getattr(AutoConfig.from_pretrained(source), "num_hidden_layers", None)
+        what = f"{flag} {source!r}"
+    if layers is not None and pp_size > layers:
+        raise ValueError(
+            f"--pp_size {pp_size}: {what} has {layers} decoder layer(s), and every pipeline "
+            f"stage needs at least one (--pp_size 1 to {layers})"
+        )
 
 
 def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):

@@ -175,3 +175,52 @@ def test_pipeline_stages_in_a_custom_accelerate_loop():
     assert r[0]["losses"] == r[2]["losses"] and r[0]["losses"][-1] < r[0]["losses"][0]
     assert "call accelerator.engine.train_batch(batch)" in r[0]["refused"]
     assert r[0]["norm"] > 0  # the norm train_batch measured
+
+
+def _reference_model() -> dict:
+    accelerator = hf_zero.ZeroAccelerator(
+        zero_plugin=hf_zero.ZeroPlugin(stage=3, param_persistence_threshold=50)
+    )
+    model, reference, whole = build_model(), build_model(seed=1), build_model(seed=1)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    reference = accelerator.prepare_model(reference, evaluation_mode=True)
+    engine = reference._hf_zero_engine
+    held = engine.memory_report()
+    out = {
+        "training_engine_kept": accelerator.engine is model._hf_zero_engine,
+        "frozen": not any(p.requires_grad for p in reference.parameters()),
+        "visible": sum(p.numel() for p in reference.parameters()),
+        "persistent": sum(p.numel() for p in whole.parameters() if p.numel() < 50),
+        "total": sum(p.numel() for p in whole.parameters()),
+        "params_bytes": held["params"],
+        "trainable_state": held["grads"] + held["master_weights"] + held["optimizer_states"],
+        "shard_bytes": sum(g.layout.shard_numel for g in engine.frozen_groups) * 4,
+    }
+    diffs = []
+    for step in range(2):  # a DPO-like step: the reference's logits enter the loss
+        x = batch(dist.get_rank(), step, 0)
+        with torch.no_grad():
+            ref_logits = reference(input_ids=x).logits
+            diffs.append((ref_logits - whole(input_ids=x).logits).abs().max().item())
+        loss = (
+            model(input_ids=x, labels=x).loss
+            + (model(input_ids=x).logits - ref_logits).square().mean()
+        )
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    out["logit_diff"] = max(diffs)
+    return out
+
+
+def test_a_model_prepared_for_evaluation_is_sharded_without_training_state():
+    """TRL's reference models (``prepare_model(..., evaluation_mode=True)``) under stage 3:
+    each rank holds its shard of the weights (plus the small whole ones) and nothing else."""
+    for r in run_distributed(_reference_model, 2):
+        assert r["training_engine_kept"] and r["frozen"], r
+        assert r["visible"] == r["persistent"], r  # every sharded weight released between uses
+        sharded = r["total"] - r["persistent"]
+        assert r["params_bytes"] == r["shard_bytes"] + 4 * r["persistent"], r
+        assert 4 * sharded / 2 <= r["shard_bytes"] <= 4 * (sharded / 2 + 64 * 8), r  # + padding
+        assert r["trainable_state"] == 0, r
+        assert r["logit_diff"] == 0.0, r

@@ -180,9 +180,17 @@ def test_deepspeed_zeropp_and_tp_keys_map():
 def test_hf_zero_yaml_and_overrides(tmp_path):
     path = tmp_path / "zero.yaml"
     path.write_text("stage: 1\nprecision: bf16\ngradient_clipping: 1.0\nreduce_bucket_size: 5e7\n")
-    cfg = ZeroConfig.load(path, stage=2, precision=None)
-    assert cfg.stage == 2  # the override wins
+    cfg = ZeroConfig.load(path, stage=1, precision=None, overlap_comm=False)
+    assert cfg.stage == 1 and not cfg.overlap_comm  # agrees with the file; adds to it
     assert cfg.precision == "bf16"  # None means "not given"
+    with pytest.raises(ValueError, match=r"keyword argument stage=2 contradicts 'stage' = 1 in"):
+        ZeroConfig.load(path, stage=2)  # initialize(..., config=path, stage=2)
+    assert ZeroConfig.load(ZeroConfig.load(path), stage=2).stage == 2  # a ZeroConfig: replaced
+    # hf_zero.run's flags against its --zero_config: the message names the flag as typed.
+    from hf_zero.config_sources import resolve_sources
+
+    with pytest.raises(ValueError, match=r"--zero_stage 2 contradicts 'stage' = 1 in"):
+        resolve_sources({"stage": 2}, path, env={})
     assert cfg.reduce_bucket_size == 50_000_000
     assert not is_deepspeed_config({"stage": 1, "precision": "bf16"})
     assert is_deepspeed_config({"zero_optimization": {"stage": 1}})
@@ -372,3 +380,23 @@ def test_missing_file_and_batch_size_mismatch(tmp_path):
     with pytest.raises(ValueError, match=r"'train_batch_size' = 12 must equal .* = 8"):
         cfg.check_batch_sizes(world_size=2)
     cfg.check_batch_sizes(world_size=3)  # 2 x 2 x 3 = 12: fine
+
+
+# Copies of the Hugging Face / DeepSpeed docs' JSON, kept verbatim to show that such a file runs
+# unchanged: they carry keys that have no effect here, and say so.
+VERBATIM_DOCS_COPIES = {"ds_zero3_offload.json", "ds_zero3_nvme.json"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        p
+        for p in sorted((ROOT / "configs" / "zero").iterdir())
+        if p.name not in VERBATIM_DOCS_COPIES
+    ],
+    ids=lambda p: p.name,
+)
+def test_shipped_configs_load_without_warnings(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroConfig.load(path)

@@ -307,3 +307,18 @@ def test_the_best_checkpoint_is_recorded_where_it_is_published(tmp_path, saving_
     saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert saved["best"] == str(tmp_path / "checkpoint-4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_a_live_runs_empty_folder_is_left_for_its_ranks(tmp_path):
+    """Rank folders are created inside the run folder: one rank's clean-up must not remove the
+    run folder another rank of the same (live) launcher is creating its folder in."""
+    from hf_zero.swap_folders import RUN_PREFIX, remove_stale
+
+    live = tmp_path / f"{RUN_PREFIX}{os.getpid()}"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    gone = tmp_path / f"{RUN_PREFIX}{int(ended.stdout)}"
+    live.mkdir()
+    gone.mkdir()
+    remove_stale(tmp_path)
+    assert live.exists() and not gone.exists()

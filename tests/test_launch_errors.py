@@ -63,6 +63,19 @@ def test_recipe_mistakes_are_one_line_once(tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+def test_pipeline_larger_than_the_model_is_one_line_before_the_model_is_built(tmp_path):
+    from hf_zero.tiny import tiny_llama_config
+
+    tiny_llama_config(num_hidden_layers=1).save_pretrained(tmp_path / "one-layer")
+    full = str(ROOT / "recipes/finetune_full.py")
+    args = ["--model_config", str(tmp_path / "one-layer"), "--pp_size", "2"]
+    done = _launch([full, "--output_dir", str(tmp_path / "out"), *args])
+    message = "--pp_size 2: --model_config '"
+    assert done.returncode != 0 and done.stderr.count(message) == 1, done.stderr[-4000:]
+    assert "has 1 decoder layer(s)" in done.stderr and 'full.py", line' not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_rank_zero_reports_even_when_another_rank_fails_first():
     """The other ranks wait for rank 0 to report: the launcher stops every process once one
     exits, and a CI run once lost the message when rank 1 exited before rank 0 had printed."""

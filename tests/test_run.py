@@ -107,7 +107,8 @@ def test_unmodified_script_under_hf_zero_run_is_sharded_and_saves_a_loadable_mod
 
 def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
     """TRL's configs default to bf16; transformers refuses --bf16 without a GPU unless --use_cpu
-    is typed. Under hf_zero.run neither the TRL default nor a plain --bf16 needs it."""
+    is typed. Under hf_zero.run neither the TRL default nor a plain --bf16 needs it, and the
+    saved model has the dtype plain DDP saves (fp32 master weights, not bf16)."""
     pytest.importorskip("trl")
     trl = [a for a in TRL_ARGS if a not in ("--bf16", "false")]  # TRL's own default: bf16
     for variant in ([], trl):
@@ -116,6 +117,18 @@ def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
         args = ["-m", "hf_zero.run", SCRIPT, *variant, *bf16, "--output_dir", str(out)]
         done = _launch([*args, *TRAIN_ARGS, "--zero_stage", "2"])
         assert "hf_zero: stage 2 over 2 data-parallel ranks, bf16" in done.stderr, done.stderr
+    # Saved as the same script saves under plain DDP (autocast over fp32 weights): fp32.
+    ddp = tmp_path / "ddp"
+    _launch([SCRIPT, "--bf16", "--use_cpu", "true", "--output_dir", str(ddp), *TRAIN_ARGS])
+    assert _saved_dtypes(tmp_path / "out0") == _saved_dtypes(ddp) == ({"F32"}, "float32")
+
+
+def _saved_dtypes(out: Path) -> tuple[set[str], str]:
+    """The tensor dtypes in ``model.safetensors`` and the ``dtype`` of ``config.json``."""
+    raw = (out / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return dtypes, json.loads((out / "config.json").read_text())["dtype"]
 
 
 def test_losses_under_hf_zero_run_equal_plain_ddp_without_use_cpu(tmp_path):

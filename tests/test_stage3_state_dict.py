@@ -407,3 +407,46 @@ def test_trainer_logs_the_real_number_of_trainable_parameters(tmp_path):
         assert r["sharded"], r
         assert r["logged"] == [r["expected"]] and r["helper"] == r["expected"], r
         assert r["flops"][0] == r["flops"][1], r
+
+
+def _saved_dtypes() -> dict:
+    out = {}
+    for save_16bit in (False, True):
+        model = build_model()
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        original = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine = _engine(model, precision="bf16", save_16bit_model=save_16bit)
+        x = batch(dist.get_rank(), 0, 0)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        saved = engine.saved_state_dict()
+        masters = engine.full_state_dict(master_weights=True)
+        trained = engine.full_state_dict()
+        if dist.get_rank() != 0:
+            continue
+        out[save_16bit] = {
+            "dtypes": sorted({str(v.dtype) for v in saved.values()}),
+            "equals_masters": all(
+                torch.equal(saved[k], masters[k]) for k in saved if k not in frozen
+            ),
+            "equals_trained": all(torch.equal(saved[k], trained[k]) for k in saved),
+            "frozen_kept_as_trained": all(
+                torch.equal(saved[k], original[k].to(torch.bfloat16).to(saved[k].dtype))
+                for k in frozen
+            ),
+            "masters_moved": any(
+                not torch.equal(masters[k].float(), original[k]) for k in original
+            ),
+        }
+    return out
+
+
+def test_saved_weights_keep_their_dtype_before_training_unless_16bit_is_asked():
+    """An fp32 model trained in bf16 is saved from its fp32 master weights in fp32, as the same
+    script saves without hf_zero (autocast keeps fp32 weights); ``save_16bit_model`` saves what
+    was trained, in bf16. A frozen weight held in bf16 is saved as that bf16 value."""
+    r = run_distributed(_saved_dtypes, 2)[0]
+    assert r[False]["dtypes"] == ["torch.float32"] and r[True]["dtypes"] == ["torch.bfloat16"], r
+    assert r[False]["equals_masters"] and r[False]["masters_moved"], r
+    assert r[False]["frozen_kept_as_trained"] and r[True]["frozen_kept_as_trained"], r
+    assert r[True]["equals_trained"] and not r[False]["equals_trained"], r

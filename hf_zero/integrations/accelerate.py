@@ -256,11 +256,30 @@ class ZeroAccelerator(Accelerator):
             if model not in self._models:
                 self._models.append(model)
             return model  # hooks live on the model itself: nothing to wrap
+        config = self.zero_plugin.config
+        if evaluation_mode and config.stage == 3 and config.pp_size == 1:
+            return self._prepare_evaluation_model(model)
         if self.engine is None and not evaluation_mode:
             # Preparing a model alone (no optimizer yet): only place it; the engine comes with
             # the optimizer.
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def _prepare_evaluation_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Stage 3: a model that is only evaluated (TRL's reference model, a teacher) is
+        sharded as the trained one is and gathered unit by unit, with no gradients and no
+        optimizer state (DeepSpeed's ``deepspeed.initialize`` without an optimizer)."""
+        model.requires_grad_(False)
+        config = self.zero_plugin.config.replace(
+            gradient_accumulation_steps=1,
+            train_batch_size=None,
+            optimizer=None,
+            scheduler=None,
+            gradient_clipping=0.0,
+        )
+        model._hf_zero_engine = initialize(model, None, config)
+        self._models.append(model)
+        return model
 
     def prepare_scheduler(self, scheduler):
         """As Accelerate's, but a DeepSpeed schedule (`deepspeed_schedules`) advances once per
@@ -325,10 +344,11 @@ class ZeroAccelerator(Accelerator):
         return torch.tensor(self.engine.clip_grad_norm_(float(max_norm)))
 
     def get_state_dict(self, model, unwrap=True):
-        """The complete state dict, gathered (collective); rank 0 gets it, others ``{}``."""
+        """The complete state dict, gathered (collective); rank 0 gets it, others ``{}``.
+        Each parameter has its dtype before training (``save_16bit_model``: as trained)."""
         if self.engine is None:
             return super().get_state_dict(model, unwrap)
-        return self.engine.full_state_dict()
+        return self.engine.saved_state_dict()
 
     def end_training(self) -> None:
         """Wait for every rank, then tear the process group down (as Accelerate does)."""

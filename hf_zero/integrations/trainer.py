@@ -24,7 +24,7 @@ from hf_zero.config import AUTO, ZeroConfig
 from hf_zero.config_sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 from hf_zero.integrations.cpu import create_cpu_group, ensure_cpu_args
-from hf_zero.integrations.trainer_checkpoints import remove_debris, save_staged
+from hf_zero.integrations.trainer_checkpoints import record_saved_dtype, remove_debris, save_staged
 from hf_zero.optim.deepspeed_optimizer import (
     optimizer_spec,
     resolve_params,
@@ -333,7 +333,7 @@ class ZeroTrainerMixin:
         output_dir = output_dir or self.args.output_dir
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = self.engine.full_state_dict()  # collective: every rank gathers
+        state_dict = self.engine.saved_state_dict()  # collective: every rank gathers
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             model = self.accelerator.unwrap_model(self.model)
@@ -341,7 +341,9 @@ class ZeroTrainerMixin:
                 from hf_zero.integrations.reload import save_training_record
 
                 save_training_record(self.engine, model, output_dir, state_dict)
-            model.save_pretrained(output_dir, state_dict=state_dict)
+            dtypes = [v.dtype for v in state_dict.values() if v.is_floating_point()]
+            model.save_pretrained(output_dir, state_dict=state_dict)  # may empty state_dict
+            record_saved_dtype(model, dtypes[0] if dtypes else None, output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

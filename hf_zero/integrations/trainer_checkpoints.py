@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_zero.checkpoint import fsync_path
@@ -98,3 +99,13 @@ def _fsync_tree(path: Path) -> None:
         if p.is_file() or p.is_dir():
             fsync_path(p)
     fsync_path(path)
+
+
+def record_saved_dtype(model, dtype: torch.dtype | None, output_dir: str) -> None:
+    """Make ``config.json``'s ``dtype`` that of the weights written (``dtype``):
+    ``save_pretrained`` takes it from the parameters, which hold the training precision."""
+    path = os.path.join(output_dir, "config.json")
+    if dtype is None or not os.path.exists(path) or getattr(model, "config", None) is None:
+        return
+    model.config.dtype = str(dtype).removeprefix("torch.")
+    model.config.save_pretrained(output_dir)

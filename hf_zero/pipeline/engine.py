@@ -321,6 +321,10 @@ class PipelineEngine:
             if id(p) in names
         }
 
+    def saved_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a saved model holds: `full_state_dict` (pipeline stages train in fp32)."""
+        return self.full_state_dict()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters with their Hugging Face names on rank 0 (``{}``
         elsewhere; collective)."""
