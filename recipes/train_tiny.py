@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node 2 recipes/train_tiny.py --zero_stage 2
 
 A plain training loop over `hf_zero.initialize`: the smallest complete example of the engine.
-Any ZeRO setting can come from ``--zero_config`` (hf_zero YAML or a DeepSpeed JSON); the flags
-below win over the file.
+Any ZeRO setting can come from ``--zero_config`` (hf_zero YAML or a DeepSpeed JSON) or
+``$HF_ZERO_CONFIG``; a flag below that contradicts the file is an error naming both.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
+from hf_zero.config import AUTO
+from hf_zero.config_sources import explicit_values, resolve_sources
 from hf_zero.launch_errors import parse_or_exit
 from hf_zero.tiny import tiny_llama, token_batches
 
@@ -37,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--max_grad_norm", type=float, default=1.0)
+    parser.add_argument(
+        "--max_grad_norm", type=float, default=None, help="default: the file's, else 1.0"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log_every", type=int, default=25)
     parser.add_argument("--output_dir", default=None, help="save the trained model here")
@@ -49,15 +53,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> float:
     args = parse_or_exit(parse_args, argv)
+    flags = {
+        "stage": args.zero_stage,
+        "precision": args.precision,
+        "offload_optimizer": args.offload_optimizer,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
+    }
+    names = {"stage": "zero_stage", "gradient_clipping": "max_grad_norm"}
     config = parse_or_exit(  # mistakes: one line, before any process-group work
-        hf_zero.ZeroConfig.load,
-        args.zero_config,
-        stage=args.zero_stage,
-        precision=args.precision,
-        offload_optimizer=args.offload_optimizer,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_clipping=args.max_grad_norm,
+        resolve_sources, flags, args.zero_config, flag_names={k: names.get(k, k) for k in flags}
     )
+    from_file = explicit_values(args.zero_config).get("gradient_clipping", AUTO)
+    if args.max_grad_norm is None and from_file == AUTO:  # the file's value, else 1.0
+        config = config.replace(gradient_clipping=1.0)
     hf_zero.init_distributed()
     rank = dist.get_rank()
     logging.basicConfig(

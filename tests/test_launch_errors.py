@@ -51,7 +51,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Launched on 2 processes: one kind of mistake each (argparse's, a config value's, one that
+# depends on the launch); the others go through the same parse_or_exit and run in-process below.
+LAUNCHED = ["stage three", "stage 5", "tp_size 3 on 2 processes"]
+
+
+@pytest.mark.parametrize("case", LAUNCHED)
 def test_recipe_mistakes_are_one_line_once(tmp_path, case):
     args, message = CASES[case]
     args = [a.format(**_files(tmp_path)) for a in args]
@@ -60,6 +65,23 @@ def test_recipe_mistakes_are_one_line_once(tmp_path, case):
     assert done.stderr.count(message) == 1, done.stderr[-4000:]
     assert 'finetune_lora.py", line' not in done.stderr, "a rank printed a traceback"
     assert "usage:" not in done.stderr, "argparse's usage dump buries the one line"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in LAUNCHED])
+def test_recipe_mistakes_are_one_line_in_one_process(tmp_path, case, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_ZERO_CONFIG", raising=False)
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    import finetune_lora
+
+    args, message = CASES[case]
+    args = [a.format(**_files(tmp_path)) for a in args]
+    with pytest.raises(SystemExit) as stop:
+        finetune_lora.main(["--output_dir", str(tmp_path / "out"), *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count(message) == 1, err
+    assert "Traceback" not in err and "usage:" not in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -41,7 +41,7 @@ def _loss(model, tokens):
         ["--zero_stage", "3"],
         ["--zero_stage", "2", "--offload_optimizer", "cpu"],
         ["--zero_config", str(ROOT / "configs/zero/stage1.yaml")],
-        ["--zero_config", str(ROOT / "configs/zero/stage2.yaml"), "--precision", "fp32"],
+        ["--zero_config", str(ROOT / "configs/zero/stage2.yaml"), "--precision", "bf16"],
         ["--zero_config", str(ROOT / "configs/zero/ds_zero2.json")],
     ],
     ids=[
@@ -60,6 +60,17 @@ def test_train_tiny_learns_and_saves_a_loadable_model(tmp_path, flags):
     trained = LlamaForCausalLM.from_pretrained(tmp_path)
     tokens = byte_tokens(tiny_corpus())[:256].unsqueeze(0)
     assert _loss(trained, tokens.clone()) < _loss(tiny_llama(seed=0), tokens.clone()) - 1.0
+
+
+def test_a_flag_that_contradicts_the_config_file_is_reported_naming_both():
+    stage2 = str(ROOT / "configs/zero/stage2.yaml")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train_tiny.py"), "--zero_config", stage2,
+         "--precision", "fp32"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--precision 'fp32' contradicts 'precision' = 'bf16' in" in done.stderr, done.stderr
 
 
 def test_bad_stage_is_reported_before_training():

@@ -40,11 +40,15 @@ def _launch(args: list[str], env: dict | None = None, check: bool = True):
     return done
 
 
-def _report(out: Path) -> dict:
+def _report(out: Path, trained_in: torch.dtype | None = None) -> dict:
+    """The script's report, plus how far the saved model's logits are from the ones it printed
+    (the saved fp32 master weights cast to ``trained_in`` first, when the run trained in it)."""
     report = json.loads((out / "report_rank0.json").read_text())
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
+    for p in model.parameters():  # buffers (rotary tables) stay fp32, as in training
+        p.data = p.data.to(trained_in or p.dtype)
     ids = torch.randint(2, 96, (32, 16), generator=torch.Generator().manual_seed(1))[:2]
     with torch.no_grad():
         report["reloaded_diff"] = (
@@ -80,9 +84,7 @@ def _check_one_data_parallel_group(out: Path, stdout: str) -> None:
     assert stdout.count("'loss': ") == 6, stdout[-3000:]
 
 
-@pytest.mark.parametrize(
-    "variant", [[], ["--subclass"], TRL_ARGS], ids=["Trainer", "subclass", "trl"]
-)
+@pytest.mark.parametrize("variant", [["--subclass"], TRL_ARGS], ids=["subclass", "trl"])
 def test_unmodified_script_under_hf_zero_run_is_sharded_and_saves_a_loadable_model(
     tmp_path, variant
 ):
@@ -131,18 +133,30 @@ def _saved_dtypes(out: Path) -> tuple[set[str], str]:
     return dtypes, json.loads((out / "config.json").read_text())["dtype"]
 
 
-def test_losses_under_hf_zero_run_equal_plain_ddp_without_use_cpu(tmp_path):
-    """The script sets no device flag; hf_zero makes the two CPU processes one group, so each
-    step's loss equals torch DDP's (the same script with the user's ``--use_cpu``)."""
+def test_the_stock_trainer_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tmp_path):
+    """The same script twice. Plain (with the user's ``--use_cpu``): stock transformers, hf_zero
+    never imported, weights whole. Under ``hf_zero.run --zero_stage 3``, with no device flag:
+    ``ZeroTrainer``, the layer's weights released between steps, one data-parallel group, each
+    step's loss equal to the plain run's (torch DDP), and a saved model that reloads to the
+    logits the script saw."""
     ddp, zero = tmp_path / "ddp", tmp_path / "zero"
     _launch([SCRIPT, "--output_dir", str(ddp), *TRAIN_ARGS, "--use_cpu", "true"])
+    plain = _report(ddp)
+    assert plain["mro"][:2] == ["Trainer", "object"] and not plain["hf_zero_imported"]
+    assert plain["sizes"][SHARDED] == 64 * 64 and plain["reloaded_diff"] < 1e-5
     done = _launch(
         ["-m", "hf_zero.run", SCRIPT, "--output_dir", str(zero), *TRAIN_ARGS, "--zero_stage", "3"]
     )
+    r = _report(zero)
+    assert "ZeroTrainer" in r["mro"] and r["hf_zero_imported"], r["mro"]
+    assert r["sizes"][SHARDED] == 0, "ZeRO-3 releases the layer's weights between steps"
+    assert r["reloaded_diff"] < 1e-5, r["reloaded_diff"]
     reference, ours = _losses(_reports(ddp)[0]), _losses(_reports(zero)[0])
     assert len(reference) == len(ours) == 6
     assert max(abs(a - b) for a, b in zip(reference, ours)) < 1e-6, (reference, ours)
     _check_one_data_parallel_group(zero, done.stdout)
+    assert done.stderr.count("hf_zero: stage 3 over 2 data-parallel ranks") == 1, done.stderr
+    assert "pin_memory" not in done.stderr, done.stderr[-3000:]  # only what concerns the user
 
 
 @pytest.mark.slow
@@ -257,15 +271,6 @@ def test_unmodified_accelerate_loop_under_hf_zero_run_equals_plain_ddp(tmp_path)
     assert max((saved[k] - expected[k]).abs().max().item() for k in saved) < 1e-5
 
 
-def test_the_same_script_without_hf_zero_is_stock_transformers(tmp_path):
-    out = tmp_path / "out"
-    _launch([SCRIPT, "--output_dir", str(out), *TRAIN_ARGS, "--use_cpu", "true"])
-    r = _report(out)
-    assert r["mro"][:2] == ["Trainer", "object"] and not r["hf_zero_imported"]
-    assert r["sizes"][SHARDED] == 64 * 64
-    assert r["reloaded_diff"] < 1e-5
-
-
 def _site_dir(tmp_path: Path) -> Path:
     """A site directory outside the real environment: ``sitecustomize`` (found through
     PYTHONPATH) hands it to ``site.addsitedir``, which runs its ``.pth`` files exactly as Python
@@ -286,7 +291,7 @@ def test_hf_zero_config_alone_activates_through_the_autoload_hook(tmp_path):
         "PYTHONPATH": str(site_dir),
     }
     done = _launch([SCRIPT, "--output_dir", str(out), *TRAIN_ARGS], env=env)
-    r = _report(out)
+    r = _report(out, trained_in=torch.bfloat16)  # stage3.yaml trains in bf16
     assert "ZeroTrainer" in r["mro"] and r["sizes"][SHARDED] == 0
     assert r["reloaded_diff"] < 1e-5
     _check_one_data_parallel_group(out, done.stdout)
