@@ -353,6 +353,7 @@ class Zero3Coordinator:
     def release_all(self) -> None:
         self._settle_checks()
         self._prefetched.clear()
+        self._entered_below.clear()  # entries whose forward raised before leaving
         for unit in self.units:
             unit.backward_users = 0
             unit_release(unit)

@@ -346,9 +346,10 @@ class ZeroAccelerator(Accelerator):
     def get_state_dict(self, model, unwrap=True):
         """The complete state dict, gathered (collective); rank 0 gets it, others ``{}``.
         Each parameter has its dtype before training (``save_16bit_model``: as trained)."""
-        if self.engine is None:
+        engine = getattr(model, "_hf_zero_engine", None) or self.engine
+        if engine is None:
             return super().get_state_dict(model, unwrap)
-        return self.engine.saved_state_dict()
+        return engine.saved_state_dict()
 
     def end_training(self) -> None:
         """Wait for every rank, then tear the process group down (as Accelerate does)."""
