@@ -73,6 +73,15 @@ def batch(rank: int, step: int, micro: int, vocab: int = MODEL["vocab_size"]) ->
     return torch.randint(0, vocab, (BATCH, SEQ), generator=g).to(DEVICE)
 
 
+def still_gathered(engine) -> list[str]:
+    """The first parameter name of every stage-3 group whose full parameters are held now."""
+    return [
+        g.names[0]
+        for g in engine.groups + engine.frozen_groups
+        if g.stage == 3 and g.flat_param is not None
+    ]
+
+
 def named_fp32(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter, whole, in fp32 on CPU (gathered first under ZeRO-3)."""
     with hf_zero.gathered_parameters(model.parameters()):

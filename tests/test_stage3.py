@@ -14,6 +14,7 @@ from helpers import (
     build_model,
     max_loss_diff,
     max_param_diff,
+    still_gathered,
     train_ddp,
     train_zero,
     two_param_groups,
@@ -102,11 +103,7 @@ def _generate() -> dict:
         "same_tokens": torch.equal(tokens, ref_tokens),
         "new_tokens": tokens.shape[1] - prompt.shape[1],
         "loss_diff": abs(loss - ref_loss),
-        "still_gathered": [
-            g.names[0]
-            for g in engine.groups + engine.frozen_groups
-            if g.stage == 3 and g.flat_param is not None
-        ],
+        "still_gathered": still_gathered(engine),
     }
 
 

@@ -10,7 +10,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from helpers import batch, build_model, lora_engine, lora_model
+from helpers import batch, build_model, lora_engine, lora_model, still_gathered
 
 import hf_zero
 from hf_zero.testing import run_distributed
@@ -37,14 +37,6 @@ def _tiny_t5() -> torch.nn.Module:
     return T5ForConditionalGeneration(config).eval()  # no dropout: outputs compared exactly
 
 
-def _gathered(engine) -> list[str]:
-    return [
-        g.names[0]
-        for g in engine.groups + engine.frozen_groups
-        if g.stage == 3 and g.flat_param is not None
-    ]
-
-
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
@@ -59,7 +51,7 @@ def _direct_calls() -> dict:
         out["embeddings"] = _diff(
             model.get_input_embeddings()(ids), reference.get_input_embeddings()(ids)
         )
-        out["root_kept_after_a_call_below_it"] = bool(_gathered(engine))
+        out["root_kept_after_a_call_below_it"] = bool(still_gathered(engine))
         hidden = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(rank))
         out["head"] = _diff(model.lm_head(hidden), reference.lm_head(hidden))
         out["inner_model"] = _diff(
@@ -70,7 +62,7 @@ def _direct_calls() -> dict:
             model.model.layers[1].mlp(hidden), reference.model.layers[1].mlp(hidden)
         )
         model(input_ids=ids)  # a full forward ends by releasing everything
-        out["after_full_forward"] = _gathered(engine)
+        out["after_full_forward"] = still_gathered(engine)
 
         t5_reference = _tiny_t5()
         t5 = copy.deepcopy(t5_reference)
@@ -130,7 +122,7 @@ def _train_through_direct_calls() -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(abs(loss.item() - ref_loss.item()))
-    left = _gathered(engine)
+    left = still_gathered(engine)
     with torch.no_grad():
         ids = batch(rank, 9, 0)
         after = _diff(

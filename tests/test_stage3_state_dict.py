@@ -14,7 +14,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, build_model, named_fp32, rel_diff, train_ddp, two_param_groups
+from helpers import (
+    batch,
+    build_model,
+    named_fp32,
+    rel_diff,
+    still_gathered,
+    train_ddp,
+    two_param_groups,
+)
 
 import hf_zero
 from hf_zero import stage3_state_dict
@@ -30,14 +38,6 @@ def _engine(model, **cfg):
     return hf_zero.initialize(
         model, torch.optim.AdamW(two_param_groups(model)), stage=3, **{**ZERO3, **cfg}
     )
-
-
-def _still_gathered(engine) -> list[str]:
-    return [
-        g.names[0]
-        for g in engine.groups + engine.frozen_groups
-        if g.stage == 3 and g.flat_param is not None
-    ]
 
 
 def _train(engine, steps: int) -> None:
@@ -65,14 +65,14 @@ def _state_dict() -> dict:
         "exact_at_init": _equal(state, reference.state_dict()),
         "empty": [k for k, v in state.items() if v.numel() == 0],
         "tied_alias": state["lm_head.weight"] is state["model.embed_tokens.weight"],
-        "left_gathered": _still_gathered(engine),
+        "left_gathered": still_gathered(engine),
     }
     _train(engine, 2)
     _, ddp = train_ddp(2, 1, CLIP)
     state = model.state_dict()
     out["vs_ddp"] = max(rel_diff(state[k], ddp[k]) for k in ddp)
     out["same_as_gathered"] = all(torch.equal(state[k], v) for k, v in named_fp32(model).items())
-    out["left_gathered"] += _still_gathered(engine)
+    out["left_gathered"] += still_gathered(engine)
     return out
 
 
@@ -117,7 +117,7 @@ def _submodules() -> dict:
     ):
         mine = model.get_submodule(name).state_dict()
         out[name] = _equal(mine, reference.get_submodule(name).state_dict())
-    out["left_gathered"] = _still_gathered(engine)
+    out["left_gathered"] = still_gathered(engine)
     return out
 
 
@@ -154,7 +154,7 @@ def _peft_mixz() -> dict:
             torch.equal(v, full[k.replace(".weight", ".default.weight")])
             for k, v in adapters.items()
         ),
-        "left_gathered": _still_gathered(engine),
+        "left_gathered": still_gathered(engine),
     }
 
 
@@ -184,7 +184,7 @@ def _load_state_dict(precision: str) -> dict:
         "keys": (missing, unexpected),
         "params": all(torch.equal(whole[n], v) for n, v in expected.items()),
         "masters": all(torch.equal(master[n].float(), v) for n, v in expected.items()),
-        "left_gathered": _still_gathered(engine),
+        "left_gathered": still_gathered(engine),
     }
     try:
         model.load_state_dict(other.state_dict(), assign=True)
@@ -214,7 +214,7 @@ def _tensor_parallel() -> dict:
     out = {
         "split": sum(engine.tp.shard_of(p) is not None for p in model.parameters()),
         "exact": _equal(model.state_dict(), reference.state_dict()),  # TP slices gathered too
-        "left_gathered": _still_gathered(engine),
+        "left_gathered": still_gathered(engine),
     }
     try:
         model.load_state_dict(reference.state_dict())
