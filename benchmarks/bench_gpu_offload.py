@@ -109,7 +109,7 @@ def make(name: str, args, device: torch.device):
 
 
 def worker(args) -> None:
-    from hf_zero.topology import current_device, init_distributed
+    from hf_zero.comm.topology import current_device, init_distributed
 
     init_distributed()
     device = current_device()

@@ -4,7 +4,7 @@
         --nvme_path /tmp/hf_zero_bench_nvme
 
 First the disk: a ``--bw_gib`` GiB file in ``--nvme_path`` is written and read back sequentially
-through the same swap I/O the NVMe tiers use (`hf_zero.swap`: O_DIRECT, aligned 16 MiB requests,
+through the same swap I/O the NVMe tiers use (`hf_zero.storage.swap`: O_DIRECT, aligned 16 MiB requests,
 ``--io_threads`` threads), by ``--nproc`` processes at once, as the ranks share the disk in
 training. Then, per configuration, a fresh group of ``--nproc`` ranks (gloo, one thread each)
 builds a LLaMA-style model inside `hf_zero.partitioned_init()` (never whole on a rank), runs
@@ -56,7 +56,7 @@ def disk_worker(args) -> dict:
     while writing a second one (the optimizer step's pattern: reads and writes overlap)."""
     import torch
 
-    from hf_zero.swap import SwapSpace
+    from hf_zero.storage.swap import SwapSpace
 
     space = SwapSpace(args.nvme_path, rank=int(os.environ["RANK"]), threads=args.io_threads)
     request = 16 * MIB // 4  # fp32 elements per request
@@ -178,7 +178,7 @@ def _io_buffer_bytes(engine) -> int:
     """The NVMe tiers' buffers at their fullest: the parameter read-ahead (``buffer_count``
     units' shards) and the optimizer step's tile sets (master, gradient, two Adam moments)."""
     from hf_zero.optim.streamed_step import DEFAULT_TILE
-    from hf_zero.tiers import NvmeTier
+    from hf_zero.sharding.tiers import NvmeTier
 
     groups = engine.groups + engine.frozen_groups
     shards = [g.tier.numel * g.tier.itemsize for g in groups if isinstance(g.tier, NvmeTier)]

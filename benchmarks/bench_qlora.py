@@ -138,8 +138,8 @@ class _Peaks:
 
 def _held_bytes(model) -> int:
     """Bytes of weights (values, codes, quantization state) this rank's ``model`` holds."""
-    from hf_zero.packed import is_packed, packed_bytes
-    from hf_zero.partitioned_load import slice_of
+    from hf_zero.numerics.packed import is_packed, packed_bytes
+    from hf_zero.sharding.stage3.partitioned_load import slice_of
 
     total = 0
     for p in dict.fromkeys(model.parameters()):
@@ -217,7 +217,7 @@ def _rss_rank(path: str, mode: str, steps: int) -> dict:
     import torch.distributed as dist
 
     import hf_zero
-    from hf_zero import host_memory
+    from hf_zero.storage import host_memory
     from hf_zero.tiny import token_batches
 
     model = _load(path, mode)

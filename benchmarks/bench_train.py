@@ -104,9 +104,9 @@ COUNTER = CommCounter()
 COUNTER.install()
 
 import hf_zero  # noqa: E402  (after the counter: hf_zero binds collectives at import)
+from hf_zero.comm.topology import current_device, init_distributed  # noqa: E402
 from hf_zero.memory import model_state_bytes  # noqa: E402
 from hf_zero.tiny import tiny_llama  # noqa: E402
-from hf_zero.topology import current_device, init_distributed  # noqa: E402
 
 
 def _nbytes(value) -> int:

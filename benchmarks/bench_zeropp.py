@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
+from hf_zero.comm.topology import init_distributed
 from hf_zero.tiny import tiny_llama, token_batches
-from hf_zero.topology import init_distributed
 
 PARTS = ("quantized_weights", "hpz", "quantized_gradients")
 SHORT = {"quantized_weights": "qwZ", "hpz": "hpZ", "quantized_gradients": "qgZ"}

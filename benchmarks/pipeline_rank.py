@@ -21,7 +21,7 @@ from torch.distributed.pipelining import stage as pipelining_stage
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_zero
-from hf_zero.topology import init_distributed
+from hf_zero.comm.topology import init_distributed
 
 
 class Meter:

@@ -1,13 +1,12 @@
 """hf_zero: ZeRO data parallelism for Hugging Face training, built on torch.distributed."""
 
+from hf_zero._version import __version__
+from hf_zero.comm.topology import Topology, current_device, init_distributed
 from hf_zero.config import ZeroConfig
 from hf_zero.engine import ZeroEngine, initialize
-from hf_zero.gathered import gathered_parameters
-from hf_zero.partitioned_init import load_partitioned, partitioned_init
-from hf_zero.stage3_units import num_parameters
-from hf_zero.topology import Topology, current_device, init_distributed
-
-__version__ = "0.1.0"
+from hf_zero.sharding.stage3.gathered import gathered_parameters
+from hf_zero.sharding.stage3.partitioned_init import load_partitioned, partitioned_init
+from hf_zero.sharding.stage3.units import num_parameters
 
 # The Hugging Face integrations import transformers' Trainer (slow): loaded on first use.
 _LAZY = {

@@ -5,7 +5,7 @@ which Python runs at every start-up. The line itself reads one environment varia
 ``HF_ZERO_CONFIG`` unset it imports nothing, and once hf_zero is uninstalled (pip leaves the
 file behind, as it did not install it) it finds no ``hf_zero`` and does nothing. Only when
 ``HF_ZERO_CONFIG`` is set and hf_zero is importable does it import this module, which adds an
-import hook that, right after ``transformers`` is imported, calls `hf_zero.run.activate`
+import hook that, right after ``transformers`` is imported, calls `hf_zero.integrations.patching.activate`
 (``transformers.Trainer`` becomes `ZeroTrainer` and ``accelerate.Accelerator`` becomes
 `ZeroAccelerator`, configured from that file). ``HF_ZERO_AUTOLOAD=0`` turns it off for one
 command.
@@ -27,7 +27,7 @@ step, so an unset variable or an uninstalled hf_zero costs nothing and prints no
 
 
 class _AfterTransformers:
-    """A meta-path finder that runs `hf_zero.run.activate` once ``transformers`` has loaded."""
+    """A meta-path finder that runs `hf_zero.integrations.patching.activate` once ``transformers`` has loaded."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "transformers":
@@ -42,8 +42,8 @@ class _AfterTransformers:
 
         def exec_module(module):
             load(module)
+            from hf_zero.integrations.patching import activate
             from hf_zero.launch_errors import exit_with
-            from hf_zero.run import activate
 
             try:
                 activate()

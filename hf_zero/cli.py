@@ -36,7 +36,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_zero.consolidate import consolidate
+    from hf_zero.checkpoint.consolidate import consolidate
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
@@ -303,7 +303,7 @@ def _frozen_format(mixz: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_zero import __version__
+    from hf_zero._version import __version__
 
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero command-line tools")
     parser.add_argument("--version", action="version", version=f"hf_zero {__version__}")

@@ -40,7 +40,8 @@ import runpy
 import sys
 from typing import Any
 
-from hf_zero.config_sources import CLI_FLAGS
+from hf_zero.config.sources import CLI_FLAGS
+from hf_zero.integrations.patching import activate, hf_zero_was_used
 from hf_zero.launch_errors import USAGE_STATUS, report, wait_for_rank_zero_report
 
 # --flag -> (ZeroConfig field, parser for its value)
@@ -82,7 +83,6 @@ FLAGS: dict[str, tuple[str, Any]] = {
 }
 BOOLEAN_FLAGS = {f for f, (_, kind) in FLAGS.items() if kind is _bool}
 
-_active: tuple[dict[str, Any], str | None] | None = None
 NOT_USED_STATUS = 3
 """Exit status when hf_zero flags were given but the script built no Trainer or Accelerator."""
 
@@ -123,68 +123,6 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
     return values, config_file, rest
 
 
-def activate(values: dict[str, Any] | None = None, config_file: str | None = None) -> None:
-    """Validate the settings, remember them and point ``transformers.Trainer`` at ZeroTrainer."""
-    from hf_zero.config_sources import resolve_sources
-    from hf_zero.integrations.cpu import cpu_training_arguments, use_cpu_processes
-
-    global _active
-    # Bad settings fail before the script runs, including those that depend on the number of
-    # processes the launcher started.
-    resolve_sources(values or {}, config_file).check_world(launched_world_size())
-    _active = (dict(values or {}), config_file)
-    use_cpu_processes()
-    cpu_training_arguments()
-    patch_trainer()
-    patch_accelerator()
-
-
-def launched_world_size() -> int:
-    """The number of processes the launcher started (1 for a plain ``python``)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def active_sources() -> tuple[dict[str, Any], str | None]:
-    """The flags and ``--zero_config`` file `activate` was given (empty when not active)."""
-    return _active if _active is not None else ({}, None)
-
-
-def patch_trainer() -> None:
-    """Make ``transformers.Trainer`` (both import paths) `ZeroTrainer`. Idempotent."""
-    import transformers.trainer as trainer_module
-
-    from hf_zero.integrations.trainer import ZeroTrainer
-
-    trainer_module.Trainer = ZeroTrainer
-    # transformers' lazy top-level module may have replaced itself in sys.modules while the
-    # imports above ran: patch the one `from transformers import Trainer` will read.
-    sys.modules["transformers"].Trainer = ZeroTrainer
-
-
-def patch_accelerator() -> None:
-    """Make ``accelerate.Accelerator`` (both import paths) `ZeroAccelerator`. Idempotent.
-
-    A custom loop's ``Accelerator(...)`` then builds hf_zero's engine in ``prepare``; the
-    settings come from `active_sources` (and ``$HF_ZERO_CONFIG``).
-    """
-    import accelerate
-    import accelerate.accelerator as accelerator_module
-
-    from hf_zero.integrations.accelerate import ZeroAccelerator
-
-    accelerator_module.Accelerator = ZeroAccelerator
-    accelerate.Accelerator = ZeroAccelerator
-
-
-def hf_zero_was_used() -> bool:
-    """Whether this process built a `ZeroAccelerator` (the Trainer builds one) or an engine."""
-    from hf_zero.engine import ZeroEngine
-
-    accelerate = sys.modules.get("hf_zero.integrations.accelerate")
-    made = getattr(getattr(accelerate, "ZeroAccelerator", None), "instances_created", 0)
-    return made > 0 or ZeroEngine.instances_created > 0
-
-
 def fail(message: str, status: int = USAGE_STATUS) -> int:
     """Print ``error: message`` once (rank 0) and return ``status`` for ``sys.exit`` (other
     ranks first give rank 0 time to print it: `wait_for_rank_zero_report`)."""
@@ -219,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     script, *rest = argv
     try:
         values, config_file, script_args = split_flags(rest)
-        # Under `python -m hf_zero.run` this file runs as __main__, a second copy of the module:
-        # the state must live in the copy the Trainer imports.
-        from hf_zero import run as canonical
-
-        canonical.activate(values, config_file)
+        activate(values, config_file)
     except (ValueError, NotImplementedError) as error:
         return fail(str(error))
     if not os.path.isfile(script):
@@ -237,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         create_cpu_group(None, timeout)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
-    if (values or config_file) and not canonical.hf_zero_was_used():
+    if (values or config_file) and not hf_zero_was_used():
         flag_of = {name: flag for flag, (name, _) in FLAGS.items()}
         given = [f"{flag_of[name]} {value}" for name, value in values.items()]
         given += [f"--zero_config {config_file}"] if config_file else []

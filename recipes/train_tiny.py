@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import hf_zero
 from hf_zero.config import AUTO
-from hf_zero.config_sources import explicit_values, resolve_sources
+from hf_zero.config.sources import explicit_values, resolve_sources
 from hf_zero.launch_errors import parse_or_exit
 from hf_zero.tiny import tiny_llama, token_batches
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 import hf_zero
 from hf_zero import checkpoint
-from hf_zero.consolidate import consolidate
+from hf_zero.checkpoint.consolidate import consolidate
+from hf_zero.engine import checkpointing
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
 
@@ -85,7 +86,7 @@ def test_resume_at_another_world_size_and_stage(tmp_path, saved, loaded):
 def _save_twice_and_die(first: str, second: str) -> None:
     _segment(2, 0, 1, None, first)
     if dist.get_rank() == 1:
-        real = checkpoint._write_safetensors
+        real = checkpointing._write_safetensors
 
         def die_mid_write(tensors, path):
             real(tensors, path)
@@ -93,7 +94,7 @@ def _save_twice_and_die(first: str, second: str) -> None:
                 f.truncate(100)  # half-written...
             os.kill(os.getpid(), signal.SIGKILL)  # ...and gone
 
-        checkpoint._write_safetensors = die_mid_write
+        checkpointing._write_safetensors = die_mid_write
     _segment(2, 0, 1, None, second)
 
 
@@ -103,7 +104,7 @@ def _save_on_a_full_disk(first: str, second: str) -> str:
     def full(tensors, path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    checkpoint._write_safetensors = full
+    checkpointing._write_safetensors = full
     try:
         _segment(2, 0, 1, None, second)
     except OSError as error:
@@ -244,7 +245,7 @@ def _wide_checkpoint(ckpt: str) -> int:
 _PEAK_PROBE = """
 import os, sys, threading, time
 from safetensors.torch import load_file
-from hf_zero.consolidate import consolidate
+from hf_zero.checkpoint.consolidate import consolidate
 
 def rss_mib():
     with open("/proc/self/statm") as f:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from test_checkpoint import _rows, _try_load
 
 import hf_zero
-from hf_zero.checkpoint_stream import write_streamed
+from hf_zero.storage.safetensors import write_streamed
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
 
@@ -105,7 +105,7 @@ def test_corrupted_checkpoints_are_refused_on_every_rank(tmp_path):
 def test_an_index_cannot_point_outside_its_folder(tmp_path):
     from safetensors.torch import save_file
 
-    from hf_zero.consolidate import _frozen_from_saved
+    from hf_zero.checkpoint.consolidate import _frozen_from_saved
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

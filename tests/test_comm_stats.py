@@ -94,7 +94,7 @@ def test_bytes_are_booked_inter_node_when_the_group_spans_nodes():
 
 def _gloo_paths() -> dict:
     from hf_zero.comm import Collectives
-    from hf_zero.topology import Topology
+    from hf_zero.comm.topology import Topology
 
     topo = Topology.build()
     rank, world = dist.get_rank(), dist.get_world_size()

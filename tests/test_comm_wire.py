@@ -33,8 +33,8 @@ from helpers import batch, build_model, two_param_groups
 
 import hf_zero
 from hf_zero.comm import Collectives
+from hf_zero.comm.topology import Topology
 from hf_zero.testing import run_distributed
-from hf_zero.topology import Topology
 
 HERE = Path(__file__).resolve().parent
 

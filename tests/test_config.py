@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from hf_zero import ZeroConfig
-from hf_zero import deepspeed_config as ds_config
-from hf_zero.config_sources import explicit_values
+from hf_zero.config import deepspeed as ds_config
+from hf_zero.config.sources import explicit_values
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,7 +187,7 @@ def test_hf_zero_yaml_and_overrides(tmp_path):
         ZeroConfig.load(path, stage=2)  # initialize(..., config=path, stage=2)
     assert ZeroConfig.load(ZeroConfig.load(path), stage=2).stage == 2  # a ZeroConfig: replaced
     # hf_zero.run's flags against its --zero_config: the message names the flag as typed.
-    from hf_zero.config_sources import resolve_sources
+    from hf_zero.config.sources import resolve_sources
 
     with pytest.raises(ValueError, match=r"--zero_stage 2 contradicts 'stage' = 1 in"):
         resolve_sources({"stage": 2}, path, env={})
@@ -344,7 +344,7 @@ def test_docs_show_the_deepspeed_key_table_the_code_uses():
 
 
 def test_consecutive_hysteresis_restores_hysteresis_after_each_good_step():
-    from hf_zero.precision import LossScaler
+    from hf_zero.numerics.precision import LossScaler
 
     for consecutive, expected in ((False, 2.0**15), (True, 2.0**16)):
         scaler = LossScaler(2.0**16, dynamic=True, hysteresis=2, consecutive_hysteresis=consecutive)

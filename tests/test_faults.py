@@ -312,7 +312,7 @@ def test_the_best_checkpoint_is_recorded_where_it_is_published(tmp_path, saving_
 def test_a_live_runs_empty_folder_is_left_for_its_ranks(tmp_path):
     """Rank folders are created inside the run folder: one rank's clean-up must not remove the
     run folder another rank of the same (live) launcher is creating its folder in."""
-    from hf_zero.swap_folders import RUN_PREFIX, remove_stale
+    from hf_zero.storage.swap_folders import RUN_PREFIX, remove_stale
 
     live = tmp_path / f"{RUN_PREFIX}{os.getpid()}"
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

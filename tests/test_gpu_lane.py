@@ -39,7 +39,7 @@ from helpers import (
 )
 
 import hf_zero
-from hf_zero.quant import dequantize, quantize
+from hf_zero.numerics.quant import dequantize, quantize
 from hf_zero.testing import run_distributed
 
 CUDA = DEVICE.type == "cuda"

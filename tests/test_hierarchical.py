@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import Collectives
+from hf_zero.comm.topology import Topology
 from hf_zero.testing import run_distributed
-from hf_zero.topology import Topology
 
 
 def _two_hops(tp_size: int, node_size: int, numel: int) -> dict:

@@ -28,7 +28,7 @@ from helpers import (
 )
 
 import hf_zero
-from hf_zero.swap import SwapSpace
+from hf_zero.storage.swap import SwapSpace
 from hf_zero.testing import run_distributed
 
 STEPS, GAS, CLIP = 3, 2, 0.3
@@ -301,7 +301,7 @@ def test_swap_files_are_removed_when_a_run_dies_of_an_exception(tmp_path):
 def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_zero.checkpoint_stream import write_streamed
+    from hf_zero.storage.safetensors import write_streamed
 
     a = {"x": torch.randn(5, 3), "step": torch.tensor(7.0)}
     b = {"y": torch.arange(10, dtype=torch.int64), "z": torch.randn(4).to(torch.bfloat16)}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from helpers import build_model, lora_engine, lora_model, rel_diff, train_on_corpus
 
 import hf_zero
-from hf_zero.consolidate import consolidate
+from hf_zero.checkpoint.consolidate import consolidate
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, tiny_tokenizer, token_batches
 

@@ -15,7 +15,7 @@ from helpers import BUCKET, batch, build_model, two_param_groups
 
 import hf_zero
 from hf_zero.memory import model_state_bytes
-from hf_zero.partition import ALIGN
+from hf_zero.sharding.layout import ALIGN
 from hf_zero.testing import run_distributed
 
 

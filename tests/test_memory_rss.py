@@ -23,7 +23,7 @@ read 1.154 there):
 * freed memory glibc keeps (the raw column): backward's per-unit gradient buffers and gathered
   weights fall under glibc's self-raising mmap threshold, come from the heap and stay mapped
   when freed. The engine now gives them back after each optimizer step on CPU
-  (`hf_zero.host_memory`), so between steps raw equals trimmed; at the peak (before the step)
+  (`hf_zero.storage.host_memory`), so between steps raw equals trimmed; at the peak (before the step)
   raw reads 1.13x (stage 2) and 1.45-1.58x (stage 3) at 41M bf16.
 * transients, not resident: activations (10 MB at 32 tokens), stage 3's gathered units, the
   step's one-bucket fp32 gradient copy and AdamW's temporaries, the reduction buffers of

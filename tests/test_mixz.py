@@ -157,7 +157,7 @@ def _bnb_mixz(kind: str, steps: int) -> dict:
     rank holds is 0.5 byte per weight / N plus one fp32 absmax per 64."""
     import bitsandbytes.functional as F
 
-    from hf_zero.partition import FlatLayout
+    from hf_zero.sharding.layout import FlatLayout
 
     world = dist.get_world_size()
     model = lora_model()

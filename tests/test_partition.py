@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_zero.partition import ALIGN, FlatLayout, bucket_params
+from hf_zero.sharding.layout import ALIGN, FlatLayout, bucket_params
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4])

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from helpers import batch, build_model, two_param_groups
 
 import hf_zero
-from hf_zero.partitioned_init import preshard_of
+from hf_zero.sharding.stage3.partitioned_init import preshard_of
 from hf_zero.testing import run_distributed
 
 THRESHOLD = 50  # norm weights (40) stay whole, every matrix is sliced

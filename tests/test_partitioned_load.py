@@ -22,8 +22,8 @@ from helpers import QLORA_MODEL, load_quantized
 from test_qlora import _engine, _train, quantized_bytes
 
 import hf_zero
-from hf_zero.packed import is_packed, packed_bytes
-from hf_zero.partitioned_load import slice_of
+from hf_zero.numerics.packed import is_packed, packed_bytes
+from hf_zero.sharding.stage3.partitioned_load import slice_of
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
 

@@ -105,7 +105,7 @@ def _refusals(path: str) -> dict:
 
 
 def _save_twice_second_fails(path: str) -> dict:
-    import hf_zero.pipeline.checkpoint as ckpt
+    import hf_zero.engine.pipeline_checkpointing as ckpt
 
     engine = _engine(2)
     _steps(engine, 0, 1)
@@ -162,7 +162,7 @@ def test_eval_loss_matches_the_model_after_loading(tmp_path):
     """The loaded stages compute what the consolidated model computes."""
     path = str(tmp_path / "ckpt")
     run_distributed(_save_then_continue, 2, args=(path, 2, 2))
-    from hf_zero.consolidate import consolidate
+    from hf_zero.checkpoint.consolidate import consolidate
 
     consolidate(path, tmp_path / "out")
     model = build_model(0, num_hidden_layers=4)

@@ -41,7 +41,7 @@ def base_dir(tmp_path_factory):
 def quantized_bytes(model) -> dict[str, torch.Tensor]:
     """Every entry of the state dict of each quantized module (codes and quantization state),
     as raw bytes."""
-    from hf_zero.packed import is_packed
+    from hf_zero.numerics.packed import is_packed
 
     out = {}
     state = model.state_dict()
@@ -121,7 +121,7 @@ def test_quantized_weights_move_as_bytes_at_every_stage_and_tier(base_dir, quant
 
 # --- what each rank holds -----------------------------------------------------------------------
 def _held(path: str, quant: str) -> dict:
-    from hf_zero.packed import is_packed, packed_bytes, quant_state_tensors
+    from hf_zero.numerics.packed import is_packed, packed_bytes, quant_state_tensors
 
     model = load_quantized(path, quant)
     packed = [p for p in model.parameters() if is_packed(p)]

@@ -5,7 +5,7 @@ The trained model's probe logits (computed in the training run, stage 3 gatherin
 bytes) must equal those of ``PeftModel.from_pretrained`` on a base loaded with the same
 ``BitsAndBytesConfig``, and of ``hf_zero.load_for_inference``: the same codes and the same
 kernels, so the bound is 1e-6 (measured: 0.0). On CPUs with AVX512-BF16, bitsandbytes' eval-mode
-inference kernel (which training cannot use, see `hf_zero.packed`) computes differently: with
+inference kernel (which training cannot use, see `hf_zero.numerics.packed`) computes differently: with
 it on, PEFT's reload is 0.4% of the logits' norm away (measured; bounded at 2%). The merged export dequantizes the base; its
 logits differ from the trained ones by bitsandbytes' dequantize-then-matmul against its fused
 kernel and by the merge's rounding (bounded at 2% of the logits' norm).
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.packed import disable_cpu_repacking
+from hf_zero.numerics.packed import disable_cpu_repacking
 from hf_zero.tiny import tiny_tokenizer
 
 pytest.importorskip("bitsandbytes")

@@ -4,7 +4,7 @@ bf16, fp16 and fp32 inputs, sizes that do not divide the block, and all-zero blo
 import pytest
 import torch
 
-from hf_zero.quant import (
+from hf_zero.numerics.quant import (
     QMAX,
     dequantize,
     dequantize_rows,
@@ -84,7 +84,7 @@ def _one_pass(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_work_equals_the_one_pass_formula_bit_for_bit(monkeypatch, bits, dtype):
     """Chunk boundaries (forced small here) and transposed inputs change nothing."""
-    import hf_zero.quant as quant
+    import hf_zero.numerics.quant as quant
 
     monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 192)  # 3 blocks of 64 per chunk
     torch.manual_seed(0)

@@ -58,7 +58,7 @@ def test_fp32_matches_ddp(world_size, gas, checkpointing):
 
 
 def _host_memory_policies() -> dict:
-    from hf_zero import host_memory
+    from hf_zero.storage import host_memory
 
     trims = []
     original = host_memory.trim
@@ -160,7 +160,7 @@ def test_memory_held_between_steps_and_comm_volume(checkpointing):
     for r in run_distributed(_memory_and_comm, 2, args=(checkpointing,)):
         rep, N = r["report"], r["N"]
         # Backward read the linear layers' saved weight views from its own gathers (forward's
-        # buffers were not held by the graph: hf_zero.stage3_saved).
+        # buffers were not held by the graph: hf_zero.sharding.stage3.saved).
         # 7 linears per layer, 2 layers, the head; checkpointed layers save nothing in forward.
         assert r["rebuilt"] >= (1 if checkpointing else 7 * 2 + 1), r["rebuilt"]
         # Nothing stays gathered after a step; sharded parameters hold no data.

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hf_zero.comm.topology import Topology
 from hf_zero.testing import run_distributed
-from hf_zero.topology import Topology
 
 
 def _groups(tp_size: int, node_size: int | None) -> dict:

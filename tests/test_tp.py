@@ -26,10 +26,10 @@ from helpers import (
 )
 
 import hf_zero
+from hf_zero.comm.topology import Topology
+from hf_zero.sharding.tp import TensorParallel, resolve_plan, split
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, tiny_qwen3
-from hf_zero.topology import Topology
-from hf_zero.tp import TensorParallel, resolve_plan, split
 
 TOL = 1e-5
 # The parity model with every split dimension even (the shared one has a prime vocabulary).

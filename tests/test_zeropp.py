@@ -39,10 +39,10 @@ from hf_zero.comm import (
     ZeroPPSettings,
     quantize_shard,
 )
-from hf_zero.quant import QMAX
+from hf_zero.comm.topology import Topology
+from hf_zero.numerics.quant import QMAX
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
-from hf_zero.topology import Topology
 
 NODES = dict(node_size=2)
 ZERO3 = dict(param_persistence_threshold=50, **NODES)

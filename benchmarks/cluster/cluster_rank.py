@@ -108,7 +108,7 @@ def make_trainer(args):
     """(forward-backward-step function, comm_stats or None) for ``args.mode``."""
     model = build_model(args)
     if args.host_memory == "reuse" and not args.mode.startswith(("zero3", "q", "hpz")):
-        from hf_zero import host_memory  # the same allocator setting for DDP and DeepSpeed
+        from hf_zero.storage import host_memory  # the same allocator setting for DDP and DeepSpeed
 
         host_memory.reuse_freed_memory()
     if args.mode == "ddp":

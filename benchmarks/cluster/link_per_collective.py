@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from simnet import interface_bytes
 
 from hf_zero.comm import Collectives
-from hf_zero.topology import Topology
+from hf_zero.comm.topology import Topology
 
 
 def main() -> None:

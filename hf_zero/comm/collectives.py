@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hf_zero.comm import exchange, hierarchical
 from hf_zero.comm.stats import ALGORITHMS, CommStats, tree_child_vranks, wire_bytes
-from hf_zero.topology import Group
+from hf_zero.comm.topology import Group
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.6.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

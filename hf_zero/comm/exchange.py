@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from hf_zero.topology import Group
+from hf_zero.comm.topology import Group
 
 
 class Exchange:

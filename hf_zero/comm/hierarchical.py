@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hf_zero.comm import exchange
-from hf_zero.topology import Group
+from hf_zero.comm.topology import Group
 
 
 class TwoHops:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.comm.collectives import Collectives
-from hf_zero.quant import (
+from hf_zero.comm.topology import Group
+from hf_zero.numerics.quant import (
     Quantized,
     dequantize_rows,
     dequantize_rows_into,
@@ -34,7 +35,6 @@ from hf_zero.quant import (
     quantize_rows,
     quantize_segments,
 )
-from hf_zero.topology import Group
 
 
 @dataclass(frozen=True)

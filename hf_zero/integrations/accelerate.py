@@ -34,8 +34,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 
-from hf_zero.config import ZeroConfig
-from hf_zero.engine import ZeroEngine, initialize
+from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.engine import Engine, ZeroEngine, initialize
 from hf_zero.optim.deepspeed_schedules import DeepSpeedSchedule
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,8 @@ class ZeroAccelerator(Accelerator):
     def __init__(self, *args, zero_plugin: ZeroPlugin | None = None, **kwargs) -> None:
         if zero_plugin is None:
             # `hf_zero.run`'s flags and --zero_config, if active, over $HF_ZERO_CONFIG.
-            from hf_zero.config_sources import resolve_sources
-            from hf_zero.run import active_sources
+            from hf_zero.config.sources import resolve_sources
+            from hf_zero.integrations.active_settings import active_sources
 
             zero_plugin = ZeroPlugin(resolve_sources(*active_sources()))
         ZeroAccelerator.instances_created += 1
@@ -199,7 +199,7 @@ class ZeroAccelerator(Accelerator):
         finally:
             accelerator_module.prepare_data_loader = original
 
-    def _make_engine(self, model: torch.nn.Module, optimizer) -> ZeroEngine:
+    def _make_engine(self, model: torch.nn.Module, optimizer) -> Engine:
         # Accelerate (or the Trainer) owns accumulation: it scales the loss, skips the sync and
         # steps only at the end of a window, so the engine steps whenever it is asked to. The
         # batch sizes are checked here, with the accumulation that really happens.

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hf_zero.topology import init_distributed
+from hf_zero.comm.topology import init_distributed
 
 CPU_ENV = "ACCELERATE_USE_CPU"
 

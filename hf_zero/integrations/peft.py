@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.packed import is_packed
+from hf_zero.numerics.packed import is_packed
 
 PEFT_PREFIX = "base_model.model."
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from hf_zero.packed import disable_cpu_repacking, is_packed
+from hf_zero.numerics.packed import disable_cpu_repacking, is_packed
 
 RECORD = "hf_zero_training.json"
 FORMAT = 1
@@ -53,7 +53,7 @@ def base_name(name: str) -> str | None:
 def training_record(engine, model, state_dict: dict | None = None) -> dict:
     """What reproducing this run's forward needs (no collective; ``state_dict`` as gathered by
     ``engine.full_state_dict()`` adds the base fingerprint)."""
-    from hf_zero import __version__
+    from hf_zero._version import __version__
 
     config, zpp = engine.config, engine.zeropp
     mixz = bool(config.stage == 3 and zpp.quantized_nontrainable_weights)
@@ -144,9 +144,9 @@ def apply_training_quantization(model: torch.nn.Module, record: dict) -> int:
     """Replace ``model``'s frozen base weights by what the MixZ++ forward computed with (in
     place); returns the number of weights replaced. ``model`` is the plain base or the PEFT
     model."""
-    from hf_zero.partition import FlatLayout
-    from hf_zero.quant import dequantize_rows
-    from hf_zero.tiers.quantized import quantize_frozen
+    from hf_zero.numerics.quant import dequantize_rows
+    from hf_zero.sharding.layout import FlatLayout
+    from hf_zero.sharding.tiers.quantized import quantize_frozen
 
     if record.get("tp_size", 1) > 1:
         raise NotImplementedError(
@@ -187,7 +187,7 @@ def apply_training_quantization(model: torch.nn.Module, record: dict) -> int:
 
 
 def _training_dtype(record: dict | None) -> torch.dtype | None:
-    from hf_zero.precision import DTYPES
+    from hf_zero.numerics.precision import DTYPES
 
     return DTYPES.get(record.get("precision")) if record else None
 
@@ -277,7 +277,7 @@ def load_for_inference(
                 "or pass verify=False to use this base anyway"
             )
     model = PeftModel.from_pretrained(model, adapter_dir)
-    disable_cpu_repacking(model)  # the kernels training used (hf_zero.packed)
+    disable_cpu_repacking(model)  # the kernels training used (hf_zero.numerics.packed)
     target = train_dtype if dtype == "auto" else dtype
     if target is not None:
         # Parameters only, as the engine casts them: buffers (rotary inv_freq) stay fp32.

@@ -20,8 +20,9 @@ import transformers.trainer as trainer_module
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
-from hf_zero.config import AUTO, ZeroConfig
-from hf_zero.config_sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
+from hf_zero.config.checks import AUTO
+from hf_zero.config.sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
+from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 from hf_zero.integrations.cpu import create_cpu_group, ensure_cpu_args
 from hf_zero.integrations.trainer_checkpoints import record_saved_dtype, remove_debris, save_staged
@@ -32,8 +33,8 @@ from hf_zero.optim.deepspeed_optimizer import (
     type_and_params,
 )
 from hf_zero.optim.deepspeed_schedules import SCHEDULERS, build_scheduler
-from hf_zero.partitioned_init import is_partitioned, load_partitioned
-from hf_zero.stage3_units import num_parameters
+from hf_zero.sharding.stage3.partitioned_init import is_partitioned, load_partitioned
+from hf_zero.sharding.stage3.units import num_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class ZeroTrainerMixin:
         config = self._zero_config or getattr(self.args, "zero", None)
         if config is None:
             # Plain TrainingArguments: `hf_zero.run`'s flags, if active, and $HF_ZERO_CONFIG.
-            from hf_zero.run import active_sources
+            from hf_zero.integrations.active_settings import active_sources
 
             config = zero_config_for(self.args, *active_sources())
         if config.pp_size > 1:

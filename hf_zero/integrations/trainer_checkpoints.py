@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from hf_zero.checkpoint import fsync_path
-from hf_zero.disk_space import no_space_error
+from hf_zero.checkpoint.publish import fsync_path
+from hf_zero.storage.disk_space import no_space_error
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-AUTO = "auto"
+from hf_zero.config.checks import AUTO
+
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode"}
 OPTIMIZER_KEYS = {
     "adam": _ADAM_KEYS | {"torch_adam"},

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.config import ZeroConfig
+from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.numerics.packed import check_packed
 from hf_zero.optim.deepspeed_optimizer import build_optimizer
 from hf_zero.optim.deepspeed_schedules import scheduler_from_config
 from hf_zero.optim.sharded import check_elementwise
-from hf_zero.packed import check_packed
 
 
 class NoOptimizer:

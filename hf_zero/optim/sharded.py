@@ -16,11 +16,11 @@ from collections import defaultdict
 import torch
 
 from hf_zero.comm import Collectives
-from hf_zero.flat_group import FlatParamGroup
+from hf_zero.comm.topology import Group
+from hf_zero.numerics.precision import LossScaler
 from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
 from hf_zero.optim.streamed_step import streamed_step
-from hf_zero.precision import LossScaler
-from hf_zero.topology import Group
+from hf_zero.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger(__name__)
 

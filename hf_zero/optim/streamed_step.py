@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hf_zero.optim.cpu_adam import adam_step
-from hf_zero.optim.swapped_state import SwappedState
+from hf_zero.sharding.swapped_state import SwappedState
 
 DEFAULT_TILE = 1 << 22  # elements: 16 MiB per fp32 tensor per buffer set
 

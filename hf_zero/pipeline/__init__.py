@@ -4,11 +4,10 @@ parallelism beside them (3D) and ZeRO-1/2 inside each stage.
 `topology.py` lays ranks out pipeline-outermost; `split.py` cuts a Llama- or GPT-2-layout model
 into contiguous stages (balanced by parameter count, uniform, or an explicit list);
 `stage_optimizer.py` averages a stage's gradients over its replicas and steps (sharded under
-ZeRO-1/2); `engine.py` is the ``train_batch`` engine `initialize` returns for ``pp_size`` > 1,
-running `torch.distributed.pipelining`'s schedules (GPipe, 1F1B, interleaved 1F1B, measured
-exact on gloo/CPU); `checkpoint.py` writes per-stage checkpoints keyed by model names, so they
-reshard; `batching.py` joins a Trainer window's micro-batches; `schedule_math.py` holds the
-closed forms the estimator and the benchmark use.
+ZeRO-1/2); `batching.py` joins a Trainer window's micro-batches; `schedule_math.py` holds the
+closed forms the estimator and the benchmark use. The engine that runs
+`torch.distributed.pipelining`'s schedules on these parts (GPipe, 1F1B, interleaved 1F1B) is
+`hf_zero.engine.pipeline_engine.PipelineEngine`, which `initialize` returns for ``pp_size`` > 1.
 """
 
 from hf_zero.pipeline.split import CausalLMStage, partition_layers, split_causal_lm

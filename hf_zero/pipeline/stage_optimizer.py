@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.comm import Collectives
-from hf_zero.partition import FlatLayout
-from hf_zero.topology import Group
+from hf_zero.comm.topology import Group
+from hf_zero.sharding.layout import FlatLayout
 
 
 @dataclass

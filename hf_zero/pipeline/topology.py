@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hf_zero.topology import Group, timeout_delta
+from hf_zero.comm.topology import Group, timeout_delta
 
 
 @dataclass

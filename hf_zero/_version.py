@@ -1,0 +1,3 @@
+"""The package version (read by the checkpoint metadata and the CLI)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""Settings from several places at once: command-line flags > a ``--zero_config`` file >
+``$HF_ZERO_CONFIG``, as the Trainer arguments, `hf_zero.run` and `ZeroAccelerator` read them."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hf_zero.config.zero_config import ZeroConfig, check_keys, read_mapping, values_of
+
+ENV_VAR = "HF_ZERO_CONFIG"
+
+CLI_FLAGS = {
+    "zero_stage": "stage",
+    "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_param",
+    "nvme_path": "nvme_path",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
+    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
+    "tp_size": "tp_size",
+    "pp_size": "pp_size",
+    "pp_schedule": "pp_schedule",
+}
+"""Command-line flag (without ``--``) -> ZeroConfig field: the Trainer arguments and
+``hf_zero.run`` share it; ``--zero_config FILE`` comes on top."""
+
+
+def explicit_values(source: Mapping | str | Path | None) -> dict[str, Any]:
+    """The fields a file or dict sets explicitly (validated key by key), hf_zero or DeepSpeed."""
+    if source is None:
+        return {}
+    raw = read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
+    return values_of(raw)
+
+
+def resolve_sources(
+    cli: Mapping[str, Any],
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flag_names: Mapping[str, str] | None = None,
+) -> ZeroConfig:
+    """Merge settings with precedence command line > ``config_file`` > ``$HF_ZERO_CONFIG``.
+
+    ``cli`` maps field names to values (``None`` = not given). A command-line value that
+    contradicts a value the ``--zero_config`` file sets explicitly raises ``ValueError`` naming
+    both; a file that overrides ``$HF_ZERO_CONFIG`` only warns. All checks run before any
+    process-group work.
+    """
+    env = os.environ if env is None else env
+    flag_names = flag_names or {field: flag for flag, field in CLI_FLAGS.items()}
+    env_file = env.get(ENV_VAR) or None
+    from_env = explicit_values(env_file)
+    from_file = explicit_values(config_file)
+    given = {k: v for k, v in cli.items() if v is not None}
+    check_keys(given)
+    for key in sorted(given.keys() & from_file.keys()):
+        if given[key] != from_file[key]:
+            flag = flag_names.get(key, key)
+            raise ValueError(
+                f"hf_zero: --{flag} {given[key]!r} contradicts '{key}' = {from_file[key]!r} in "
+                f"{config_file}; change one of them (the command line would win, but a silent "
+                "override hides mistakes)"
+            )
+    overridden = [
+        k for k in sorted(from_file.keys() & from_env.keys()) if from_file[k] != from_env[k]
+    ]
+    if overridden:
+        warnings.warn(
+            f"hf_zero: {config_file} overrides {ENV_VAR}={env_file} for {overridden}", stacklevel=2
+        )
+    return ZeroConfig(**{**from_env, **from_file, **given})

@@ -1,0 +1,487 @@
+"""`ZeroConfig`: every hf_zero setting in one dataclass.
+
+Sources, all through :meth:`ZeroConfig.load`:
+
+* an hf_zero YAML/JSON file or dict (flat keys named as the fields below),
+* an existing DeepSpeed config (read by `hf_zero.config.deepspeed`, where every DeepSpeed key
+  has a stated fate: honoured, inherent, no effect, or refused),
+* keyword overrides (what CLI flags map to).
+
+Unknown keys raise a ``ValueError`` that names the key and the nearest valid one; so does a
+file that does not parse (with its line). Every field below has an effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hf_zero.config.checks import AUTO, at_least, frozen_storage, int_or_auto, one_of, suggest
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+STAGES = (0, 1, 2, 3)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+COMM_DTYPES = (None, "fp32", "bf16", "fp16")
+
+
+# What "auto" becomes when neither the model nor the training arguments say (DeepSpeed defaults).
+AUTO_FALLBACKS = {
+    "reduce_bucket_size": 50_000_000,
+    "prefetch_bucket_size": 50_000_000,
+    "param_persistence_threshold": 100_000,
+    "gradient_accumulation_steps": 1,
+    "train_micro_batch_size_per_gpu": None,
+    "gradient_clipping": 0.0,
+    "precision": "fp32",
+}
+
+
+@dataclasses.dataclass
+class ZeroConfig:
+    """All hf_zero settings. Sizes are in elements, as in DeepSpeed.
+
+    Fields that accept ``"auto"`` are resolved by :meth:`resolve_auto` from the model (hidden size)
+    or the training arguments, like the Hugging Face DeepSpeed integration does.
+    """
+
+    # --- ZeRO stage and precision -------------------------------------------------------------
+    stage: int = 0
+    """0: data parallel (all-reduce); 1: + optimizer state sharded; 2: + gradients; 3: + parameters."""
+    precision: str = "fp32"
+    """Compute dtype of the model: ``fp32``, ``bf16`` or ``fp16`` (or ``"auto"``: from the
+    training arguments, else fp32). Master weights are always fp32."""
+    communication_data_type: str | None = None
+    """dtype gradients are reduced in; ``None`` means the compute dtype."""
+
+    # --- fp16 dynamic loss scaling (DeepSpeed's ``fp16`` section) ------------------------------
+    loss_scale: float = 0.0
+    """0 means dynamic loss scaling; a positive value is a fixed scale."""
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    """Restore the hysteresis after every good step, so only overflows in a row lower the scale."""
+    min_loss_scale: float = 1.0
+
+    # --- optimisation ------------------------------------------------------------------------
+    gradient_clipping: float | str = 0.0
+    """Clip the global gradient norm to this value at each step; 0 disables."""
+    gradient_accumulation_steps: int | str = 1
+    train_micro_batch_size_per_gpu: int | str | None = None
+    train_batch_size: int | str | None = None
+    allow_untested_optimizer: bool = False
+    """Accept optimizer classes hf_zero has not verified to be elementwise."""
+    optimizer: dict | None = None
+    """DeepSpeed-style ``{"type": "AdamW", "params": {...}}``, used when no optimizer is passed."""
+    scheduler: dict | None = None
+    """DeepSpeed-style ``{"type": "WarmupLR", "params": {...}}``: the learning-rate schedule the
+    Trainer and `ZeroAccelerator` build (see docs/CONFIG.md)."""
+
+    # --- buckets and overlap -----------------------------------------------------------------
+    reduce_bucket_size: int | str = 50_000_000
+    """Elements per flat gradient bucket (stages 0-2 also shard the optimizer per bucket)."""
+    overlap_comm: bool = True
+    """Launch each bucket's reduction as soon as its gradients are ready during backward."""
+    native_collectives: bool = False
+    """Always call the backend's own reduce-scatter / all-gather. By default, on gloo (CPU),
+    they run as direct point-to-point exchanges (same bytes, measured faster; same results)."""
+    comm_timeout: int = 1800
+    """Seconds a collective may wait for the other ranks before it fails (every group hf_zero
+    creates, and the default group when hf_zero creates it; torch's default). Under the Trainer:
+    ``--ddp_timeout``, also on CPU."""
+    stall_warning_seconds: int = 300
+    """A rank blocked in one collective this long logs where it waits and which ranks have not
+    arrived (once per stall; well before ``comm_timeout`` ends the job). 0 switches it off."""
+    host_memory: str = "release"
+    """Training on CPU: ``"release"`` gives freed memory back to the OS after each step (lower
+    RSS); ``"reuse"`` keeps it for the next step, skipping its page faults (faster)."""
+
+    # --- offload -----------------------------------------------------------------------------
+    offload_optimizer: str = "none"
+    offload_optimizer_fast_kernel: bool = True
+    """Offload: step torch Adam/AdamW with torch's fused CPU kernel, tile by tile (fast; equal to
+    ``fused=True``, last-bit different from the default for-loop/foreach AdamW). ``false`` runs
+    your optimizer's own ``step()`` on the host, exactly as you configured it."""
+    offload_param: str = "none"
+    """Stage 3: where parameter shards live between gathers: device ("none"), "cpu", "nvme"."""
+
+    # --- ZeRO-Infinity NVMe tiers ------------------------------------------------------------
+    nvme_path: str | None = None
+    """Directory for swap files (a local NVMe disk) when either offload device is "nvme"; each
+    run uses its own sub-directory there, removed when the process ends."""
+    offload_param_nvme_path: str | None = None
+    """``offload_param: nvme`` only: its own directory (default: ``nvme_path``)."""
+    offload_optimizer_nvme_path: str | None = None
+    """``offload_optimizer: nvme`` only: its own directory (default: ``nvme_path``)."""
+    offload_param_buffer_count: int = 5
+    """``offload_param: nvme``: units whose shards are read ahead of use, in the traced order."""
+    offload_optimizer_buffer_count: int = 4
+    """``offload_optimizer: nvme``: tiles of (master, gradient, state) in flight in the step."""
+    nvme_io_threads: int = 4
+    """Threads doing swap-file I/O per rank (DeepSpeed ``aio.thread_count``)."""
+
+    # --- ZeRO-3 knobs ------------------------------------------------------------------------
+    prefetch_bucket_size: int | str = AUTO
+    """Stage 3: elements gathered ahead of use along the traced order ("auto": 0.9 h^2)."""
+    param_persistence_threshold: int | str = AUTO
+    """Stage 3: parameters with fewer elements stay whole on every rank ("auto": 10 h)."""
+    max_live_parameters: int = 1_000_000_000
+    check_execution_order: bool = True
+    """Stage 3: check at every module entry that all ranks run the same module (one tiny
+    all-gather each), so rank-dependent control flow raises instead of deadlocking."""
+    save_16bit_model: bool = False
+    """Saved models (``save_model``, ``get_state_dict``) at the training precision (bf16/fp16)
+    instead of each parameter's dtype before training (fp32 masters for an fp32 model)."""
+
+    # --- ZeRO++ and MixZ++ -------------------------------------------------------------------
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): parameters are all-gathered as blockwise INT8 plus fp32 scales."""
+    quantized_weights_bits: int = 8
+    """Bits per quantized weight in qwZ: 8 or 4."""
+    hpz_partition_size: int | str = 1
+    """ZeRO++ hpZ (stage 3): ranks sharing a secondary partition, so the backward gather stays
+    inside them; 1 = off, ``"auto"`` = the data-parallel ranks of one node."""
+    quantized_gradients: bool = False
+    """ZeRO++ qgZ (stages 2-3): gradients reduced by hierarchical quantized all-to-alls."""
+    quantized_gradients_bits: int = 8
+    """Bits per quantized gradient in qgZ: 8 or 4 (the paper uses 4)."""
+    quantized_gradients_error_feedback: bool = False
+    """qgZ: carry each quantization residual into the next reduction."""
+    quantization_block_size: int = 256
+    """Elements per quantization block (one fp32 scale each), for qwZ and qgZ."""
+    quantized_nontrainable_weights: bool | str = False
+    """MixZ++ (stage 3): frozen weights stored quantized once, for the whole run. ``true`` (or
+    ``"int8"``): hf_zero's INT8 blocks (INT4 with ``quantized_weights_bits: 4``); ``"nf4"`` /
+    ``"fp4"``: bitsandbytes' 4-bit formats (64-value blocks, one fp32 absmax each)."""
+
+    # --- topology ----------------------------------------------------------------------------
+    tp_size: int = 1
+    """Tensor-parallel size (AutoTP); ZeRO runs over the ``world / tp_size`` data-parallel ranks."""
+
+    # --- pipeline parallelism ------------------------------------------------------------------
+    pp_size: int = 1
+    """Pipeline stages; > 1 makes `initialize` return a `PipelineEngine` (``train_batch``). The
+    data-parallel size is ``world / (pp_size * tp_size)``."""
+    pp_schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (two virtual stages per rank)."""
+    pp_microbatches: int | None = None
+    """Micro-batches per ``train_batch`` (default: ``gradient_accumulation_steps`` if > 1, else
+    ``pp_size``)."""
+    pp_partition: str | list = "parameters"
+    """Layers per stage: ``parameters`` (balanced), ``uniform``, or a list of layer counts."""
+    tp_plan: dict | str | None = None
+    """AutoTP: module-name regexes -> styles (winning over the model's own ``tp_plan``), or a
+    preset name (``"llama"``) for models that declare none."""
+    node_size: int | None = None
+    """Ranks per node; default ``LOCAL_WORLD_SIZE``. Set it to simulate several nodes on one host."""
+
+    # ------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # --- loading -----------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls, source: ZeroConfig | Mapping | str | Path | None = None, **overrides: Any
+    ) -> ZeroConfig:
+        """Build a config from a file path, a dict (hf_zero or DeepSpeed format) or nothing.
+
+        ``overrides`` (keyword arguments, e.g. ``initialize(..., stage=3)``) add to what a file
+        or dict sets; one that contradicts a value it sets explicitly is a ``ValueError`` naming
+        both (as a command-line flag against a ``--zero_config`` file is). Values of ``None``
+        mean "not given"; a ``ZeroConfig`` source is overridden (it holds defaults too).
+        """
+        explicit = not isinstance(source, ZeroConfig)
+        if isinstance(source, ZeroConfig):
+            values = dataclasses.asdict(source)
+        elif source is None:
+            values = {}
+        else:
+            raw = read_mapping(source) if isinstance(source, (str, Path)) else dict(source)
+            values = values_of(raw)
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            check_keys({key: value})
+            if explicit and values.get(key, value) not in (value, AUTO):
+                where = source if isinstance(source, (str, Path)) else "the config dict"
+                raise ValueError(
+                    f"hf_zero: the keyword argument {key}={value!r} contradicts '{key}' = "
+                    f"{values[key]!r} in {where}; change one of them (a silent override hides "
+                    "mistakes)"
+                )
+            values[key] = value
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied (validated like any other source)."""
+        check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    # --- "auto" ------------------------------------------------------------------------------
+    def resolve_auto(
+        self,
+        hidden_size: int | None = None,
+        micro_batch_size: int | None = None,
+        gradient_accumulation_steps: int | None = None,
+        world_size: int | None = None,
+        max_grad_norm: float | None = None,
+        precision: str | None = None,
+        final: bool = True,
+    ) -> ZeroConfig:
+        """Replace ``"auto"`` values, in place, with values derived from the model and arguments.
+
+        Follows the Hugging Face DeepSpeed integration: bucket sizes from ``hidden_size``,
+        batch sizes from the training arguments. Fields still ``"auto"`` for lack of information
+        fall back to DeepSpeed's defaults, unless ``final=False`` (more is known later: the
+        Trainer resolves its arguments first, `initialize` the model's hidden size).
+        """
+        h2 = hidden_size * hidden_size if hidden_size else None
+        derived = {
+            "reduce_bucket_size": h2,
+            "prefetch_bucket_size": int(0.9 * h2) if h2 else None,
+            "param_persistence_threshold": 10 * hidden_size if hidden_size else None,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_clipping": max_grad_norm,
+            "precision": precision,
+        }
+        for name, value in derived.items():
+            if getattr(self, name) == AUTO and (value is not None or final):
+                setattr(self, name, value if value is not None else AUTO_FALLBACKS[name])
+        if self.train_batch_size == AUTO:
+            mb, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+            ok = isinstance(mb, int) and isinstance(gas, int) and world_size
+            if ok or final:
+                self.train_batch_size = mb * gas * world_size if ok else None
+        self.validate()
+        return self
+
+    def check_batch_sizes(self, world_size: int) -> None:
+        """Raise if train_batch_size != micro_batch * gradient_accumulation_steps * dp world."""
+        tb, mb, gas = (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )
+        all_known = all(isinstance(v, int) for v in (tb, mb, gas))
+        if all_known and tb != mb * gas * world_size:
+            raise ValueError(
+                f"zero config: 'train_batch_size' = {tb} must equal "
+                f"train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas})"
+                f" x data-parallel world size ({world_size}) = {mb * gas * world_size}"
+            )
+
+    def check_world(self, world_size: int) -> None:
+        """Raise what `initialize` would refuse for ``world_size`` processes, before any model
+        exists: ``tp_size`` and ``hpz_partition_size`` must divide the ranks they split, and
+        the batch sizes must agree."""
+        if world_size % self.tp_size:
+            raise ValueError(
+                f"zero config: 'tp_size' = {self.tp_size} must divide the number of processes "
+                f"({world_size})"
+            )
+        if world_size % (self.tp_size * self.pp_size):
+            raise ValueError(
+                f"zero config: 'pp_size' = {self.pp_size} x 'tp_size' = {self.tp_size} must "
+                f"divide the number of processes ({world_size})"
+            )
+        dp_size = world_size // (self.tp_size * self.pp_size)
+        hpz = self.hpz_partition_size
+        if hpz != AUTO and dp_size % hpz:
+            raise ValueError(
+                f"zero config: 'hpz_partition_size' = {hpz} must divide the data-parallel size "
+                f"({dp_size} = {world_size} processes / tp_size {self.tp_size})"
+            )
+        self.check_batch_sizes(dp_size)
+
+    @property
+    def frozen_format(self) -> str | None:
+        """MixZ++'s storage format: None (off), ``"int"`` (hf_zero's blocks), ``"nf4"``,
+        ``"fp4"``."""
+        frozen = self.quantized_nontrainable_weights
+        return None if frozen is False else "int" if frozen is True else frozen
+
+    @property
+    def hpz_enabled(self) -> bool:
+        return self.hpz_partition_size == AUTO or self.hpz_partition_size > 1
+
+    def nvme_path_for(self, tier: str) -> str | None:
+        """The swap directory of ``tier`` ("offload_param" or "offload_optimizer")."""
+        return getattr(self, f"{tier}_nvme_path") or self.nvme_path
+
+    # --- validation --------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the key, the value and what is allowed."""
+        one_of("stage", self.stage, STAGES)
+        one_of("precision", self.precision, (*PRECISIONS, AUTO))
+        one_of("communication_data_type", self.communication_data_type, COMM_DTYPES)
+        one_of("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
+        one_of("offload_param", self.offload_param, OFFLOAD_DEVICES)
+        one_of("host_memory", self.host_memory, ("release", "reuse"))
+        at_least("comm_timeout", self.comm_timeout, 1)
+        at_least("stall_warning_seconds", self.stall_warning_seconds, 0)
+        at_least("loss_scale", self.loss_scale, 0.0)
+        at_least("initial_scale_power", self.initial_scale_power, 0)
+        at_least("loss_scale_window", self.loss_scale_window, 1)
+        at_least("hysteresis", self.hysteresis, 1)
+        at_least("min_loss_scale", self.min_loss_scale, 0.0)
+        if self.gradient_clipping != AUTO:
+            at_least("gradient_clipping", self.gradient_clipping, 0.0)
+        int_minimums = {
+            "gradient_accumulation_steps": 1,
+            "reduce_bucket_size": 1,
+            "train_micro_batch_size_per_gpu": 1,
+            "train_batch_size": 1,
+            "prefetch_bucket_size": 0,
+            "param_persistence_threshold": 0,
+        }
+        for name, minimum in int_minimums.items():
+            value = getattr(self, name)
+            if value is not None or name not in (
+                "train_micro_batch_size_per_gpu",
+                "train_batch_size",
+            ):
+                setattr(self, name, int_or_auto(name, value, minimum))
+        if isinstance(self.max_live_parameters, float) and self.max_live_parameters.is_integer():
+            self.max_live_parameters = int(self.max_live_parameters)  # DeepSpeed files write 1e9
+        at_least("max_live_parameters", self.max_live_parameters, 1)
+        for name in ("native_collectives", "offload_optimizer_fast_kernel", "overlap_comm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"zero config: '{name}' = {getattr(self, name)!r} must be true or false"
+                )
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError(
+                f"zero config: 'consecutive_hysteresis' = {self.consecutive_hysteresis!r} must be "
+                "true or false"
+            )
+        if self.hpz_partition_size != AUTO:
+            self.hpz_partition_size = int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
+        one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
+        self.quantized_nontrainable_weights = frozen_storage(self.quantized_nontrainable_weights)
+        one_of("quantized_gradients_bits", self.quantized_gradients_bits, (8, 4))
+        at_least("quantization_block_size", self.quantization_block_size, 2)
+        if self.quantization_block_size % 2:
+            raise ValueError(
+                f"zero config: 'quantization_block_size' = {self.quantization_block_size} must "
+                "be even (INT4 packs two values per byte)"
+            )
+        at_least("tp_size", self.tp_size, 1)
+        if self.tp_plan is not None and not isinstance(self.tp_plan, (str, Mapping)):
+            raise ValueError(
+                f"zero config: 'tp_plan' = {self.tp_plan!r} must be a preset name or a mapping of "
+                "module-name regexes to styles"
+            )
+        if self.node_size is not None:
+            at_least("node_size", self.node_size, 1)
+        if self.optimizer is not None and not isinstance(self.optimizer, Mapping):
+            raise ValueError(
+                f"zero config: 'optimizer' = {self.optimizer!r} must be a mapping like "
+                '{"type": "AdamW", "params": {"lr": 1e-4}}'
+            )
+        zero3_only = {
+            "quantized_weights": self.quantized_weights,
+            "hpz_partition_size": self.hpz_enabled,
+            "quantized_nontrainable_weights": self.quantized_nontrainable_weights,
+        }
+        for name, on in zero3_only.items():
+            if on and self.stage != 3:
+                raise ValueError(
+                    f"zero config: '{name}' = {getattr(self, name)!r} needs 'stage' = 3 "
+                    f"(it changes how parameters are gathered); got stage {self.stage}"
+                )
+        if self.quantized_gradients and self.stage < 2:
+            raise ValueError(
+                f"zero config: 'quantized_gradients' = True needs 'stage' 2 or 3 "
+                f"(it replaces the gradient reduce-scatter); got stage {self.stage}"
+            )
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError(
+                f"zero config: 'offload_optimizer' = {self.offload_optimizer!r} needs 'stage' "
+                "1, 2 or 3 (stage 0 keeps no sharded optimizer to offload)"
+            )
+        if self.offload_optimizer == "nvme" and self.stage != 3:
+            raise ValueError(
+                f"zero config: 'offload_optimizer' = 'nvme' needs 'stage' = 3 (ZeRO-Infinity); "
+                f"got stage {self.stage}. Use 'cpu' for stages 1-2"
+            )
+        for tier in ("offload_param", "offload_optimizer"):
+            if getattr(self, tier) == "nvme" and not self.nvme_path_for(tier):
+                raise ValueError(
+                    f"zero config: '{tier}' = 'nvme' needs 'nvme_path' (or "
+                    f"'{tier}_nvme_path'): a directory on a fast local disk"
+                )
+        for name in ("offload_param_buffer_count", "offload_optimizer_buffer_count"):
+            at_least(name, getattr(self, name), 1)
+        at_least("nvme_io_threads", self.nvme_io_threads, 1)
+        at_least("pp_size", self.pp_size, 1)
+        one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_microbatches is not None:
+            at_least("pp_microbatches", self.pp_microbatches, 1)
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(
+                f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
+                f"got stage {self.stage}"
+            )
+
+
+def values_of(raw: Mapping) -> dict[str, Any]:
+    """Field values from an hf_zero mapping, or from a DeepSpeed one."""
+    from hf_zero.config.deepspeed import from_deepspeed, is_deepspeed_config
+
+    if is_deepspeed_config(raw, set(ZeroConfig.__dataclass_fields__)):
+        return from_deepspeed(raw)
+    return check_keys(raw)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML or JSON file holds; a ``ValueError`` names the file (and the line of a
+    syntax error) when it is missing, unreadable or not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"zero config: file '{path}' does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"zero config: {path}:{error.lineno}:{error.colno}: not valid JSON ({error.msg})"
+        ) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"zero config: {where}: not valid YAML ({problem})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"zero config: '{path}' must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def check_keys(values: Mapping) -> dict[str, Any]:
+    fields = set(ZeroConfig.__dataclass_fields__)
+    for key in values:
+        if key not in fields:
+            raise ValueError(f"zero config: unknown key '{key}'{_suggest(key, fields)}")
+    return dict(values)
+
+
+def _suggest(key: str, options: set[str]) -> str:
+
+    return suggest(key, options)

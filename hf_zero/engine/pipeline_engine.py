@@ -1,0 +1,359 @@
+"""`PipelineEngine`: a causal LM trained in pipeline stages, one optimizer step per `train_batch`.
+
+Ranks form a ``pp x dp x tp`` grid (`PipelineTopology`: pipeline outermost, tensor innermost).
+AutoTP splits the model inside every stage (as `ZeroEngine` does), the model is cut into stages
+(`split.py`; two virtual stages per rank with ``interleaved_1f1b``), and
+`torch.distributed.pipelining` runs the schedule on each pipeline (measured exact on gloo/CPU in
+tests/test_pipeline.py). `train_batch` cuts the replica's batch into ``pp_microbatches`` along
+dim 0, runs the schedule, sums the tied embedding's two copies' gradients, averages the
+gradients over the stage's data-parallel group (ZeRO-1/2 shard the optimizer state:
+`StageOptimizer`), clips the global norm across every stage, steps, and returns the replica's
+mean micro-batch loss on every rank of the replica.
+
+Each rank builds the whole model, keeps its stages' parameters and empties the others'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from hf_zero.comm import Collectives
+from hf_zero.comm.topology import Group, current_device, init_distributed
+from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.engine.surface import Engine
+from hf_zero.optim.setup import optimizer_and_scheduler
+from hf_zero.pipeline.split import (
+    CausalLMStage,
+    split_causal_lm,
+    stage_layer_ranges,
+    stage_model_parameters,
+    sync_tied_grads,
+)
+from hf_zero.pipeline.stage_optimizer import StageOptimizer
+from hf_zero.pipeline.topology import PipelineTopology
+from hf_zero.sharding.tp import TensorParallel, resolve_plan
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MAX_SCHEDULES = 16
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face causal-LM loss: next-token cross entropy, ``-100`` ignored, in fp32."""
+    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    return torch.nn.functional.cross_entropy(flat, labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def check_supported(config: ZeroConfig) -> None:
+    """Refuse what pipeline stages do not combine with, before any process-group work."""
+    if config.stage == 3:
+        raise NotImplementedError(
+            "hf_zero pipeline: 'stage' = 3 with 'pp_size' > 1 is not supported: ZeRO-3 gathers a "
+            "layer's parameters for each forward and backward, and a pipeline runs every layer "
+            "once per micro-batch, so it would gather each layer 2 x pp_microbatches times per "
+            "step (DeepSpeed refuses it too). Use 'stage' 1 or 2, which shard the optimizer "
+            "state (and gradients) over each stage's data-parallel group"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(config, key) != "none":
+            raise NotImplementedError(
+                f"hf_zero pipeline: '{key}' = {getattr(config, key)!r} with 'pp_size' > 1 is not "
+                "implemented; pipeline stages keep their state on the device"
+            )
+    if config.precision != "fp32" or config.quantized_weights or config.quantized_gradients:
+        raise NotImplementedError(
+            "hf_zero pipeline: pipeline stages run fp32 without ZeRO++ quantization for now "
+            f"(got precision {config.precision!r}); set 'precision': 'fp32'"
+        )
+
+
+class PipelineEngine(Engine):
+    """Pipeline stages (x data x tensor parallelism); built by `hf_zero.initialize` when
+    ``pp_size`` > 1."""
+
+    is_pipeline = True
+
+    def __init__(self, model, optimizer, config: ZeroConfig, lr_scheduler=None) -> None:
+        init_distributed(timeout=config.comm_timeout)
+        dp_size = max(1, dist.get_world_size() // (config.pp_size * config.tp_size))
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config.resolve_auto(hidden_size=hidden, world_size=dp_size)
+        config.check_batch_sizes(dp_size)
+        check_supported(config)
+        optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
+        self.config, self.module, self.optimizer = config, model, optimizer
+        self.lr_scheduler = lr_scheduler
+        self.device = current_device()
+        self.topology = topo = PipelineTopology.build(
+            config.pp_size, config.tp_size, timeout=config.comm_timeout
+        )
+        self.comm = Collectives(native_collectives=config.native_collectives)
+        world = Group(None, tuple(range(dist.get_world_size())), False)
+        with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does
+            for t in list(model.parameters()) + list(model.buffers()):
+                self.comm.broadcast(t.data, 0, world)
+        self.tp = self._apply_tp() if config.tp_size > 1 else None
+
+        virtual = 2 if config.pp_schedule == "interleaved_1f1b" else 1
+        self.num_stages = n_stages = topo.pp_size * virtual
+        self.stage_ids = list(range(topo.pp_rank, n_stages, topo.pp_size))  # looped placement
+        self.stages: list[CausalLMStage] = [
+            split_causal_lm(model, n_stages, s, config.pp_partition) for s in self.stage_ids
+        ]
+        # Every stage's parameters, for gather_whole_model (a partition by parameter count can
+        # no longer be recomputed once the other stages' parameters are emptied).
+        self._all_stage_params = [
+            stage_model_parameters(model, layers, s == 0, s == n_stages - 1)
+            for s, layers in enumerate(stage_layer_ranges(model, n_stages, config.pp_partition))
+        ]
+        self._release_other_stages()
+        for stage in self.stages:
+            stage.to(self.device)
+        self.tied_copy = self._adopt_tied_copy()
+        self.first = any(s.first for s in self.stages)
+        self.last = any(s.last for s in self.stages)
+        self.microbatches = config.pp_microbatches or (
+            config.gradient_accumulation_steps if config.gradient_accumulation_steps > 1 else
+            topo.pp_size
+        )  # fmt: skip
+        self._schedules: dict[tuple, object] = {}
+        """Schedules by micro-batch shape: a stage sizes its receive buffers from the first
+        micro-batch it sees, so another shape (a new sequence length) gets its own."""
+        self.tied = self.stages[0].tied
+        self.stage_optimizer = StageOptimizer(
+            self.stage_parameters(), optimizer, config.stage, topo.dp, topo.rank, self.comm,
+            self._norm_weight,
+        )  # fmt: skip
+        self.global_steps = 0
+        self.last_grad_norm: float | None = None
+        self.grad_norm_post_clip: float | None = None
+        if dist.get_rank() == 0:  # one start line, as the ZeRO engine prints
+            print(
+                f"hf_zero: pipeline of {topo.pp_size} stages ({config.pp_schedule}) x "
+                f"{topo.dp_size} data-parallel (ZeRO stage {config.stage}) x {topo.tp_size} "
+                "tensor-parallel ranks",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _apply_tp(self) -> TensorParallel:
+        plan = resolve_plan(self.module, self.config.tp_plan)
+        if not plan:
+            raise ValueError(
+                f"hf_zero AutoTP: 'tp_size' = {self.config.tp_size} but "
+                f"{type(self.module).__name__} declares no tp_plan; set 'tp_plan' in the config"
+            )
+        tp = TensorParallel(self.module, plan, self.topology.tp, self.comm)
+        tp.apply()
+        for group in self.optimizer.param_groups:
+            group["params"] = [tp.replaced.get(id(p), p) for p in group["params"]]
+        return tp
+
+    def _release_other_stages(self) -> None:
+        """Empty the parameters no stage of this rank runs (the optimizer skips them)."""
+        mine = {id(p) for s in self.stages for p in s.parameters()}
+        self._released = {}  # id -> (parameter, its shape): what gather_whole_model refills
+        for p in self.module.parameters():
+            if id(p) not in mine:
+                self._released[id(p)] = (p, p.shape)
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    @torch.no_grad()
+    def gather_whole_model(self) -> None:
+        """Give this rank's module every stage's current weights again (collective over each
+        pipeline), so that ``model(...)`` runs on every rank after training, as it did
+        before; the memory of the whole model comes back with it. Training may continue."""
+        topo = self.topology
+        for s, params in enumerate(self._all_stage_params):
+            owner = topo.rank_of(s % topo.pp_size, topo.dp_rank, topo.tp_rank)
+            for p in params:
+                if id(p) in self._released:
+                    shape = self._released.pop(id(p))[1]
+                    p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+                dist.broadcast(p.data, owner, group=topo.pp.pg)
+
+    def _adopt_tied_copy(self) -> torch.nn.Parameter | None:
+        """The last stage's copy of a tied weight steps with the embedding's param group."""
+        for stage in self.stages:
+            if stage.last and stage.tied and not stage.first:
+                embed = self.module.get_input_embeddings().weight
+                for group in self.optimizer.param_groups:
+                    if any(p is embed for p in group["params"]):
+                        group["params"].append(stage.lm_head.weight)
+                return stage.lm_head.weight
+        return None
+
+    def _norm_weight(self, p: torch.nn.Parameter) -> int:
+        """1 when this rank counts ``p``'s gradient in the global norm (each element once)."""
+        if p is self.tied_copy:
+            return 0  # the embedding on the first stage counts the tied weight
+        if self.tp is not None and self.tp.shard_of(p) is None and self.topology.tp_rank != 0:
+            return 0  # TP-replicated: the same gradient on every TP rank
+        return 1
+
+    def stage_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters, every stage of it, in order (a tied copy included)."""
+        return list(dict.fromkeys(p for s in self.stages for p in s.parameters()))
+
+    # --- training --------------------------------------------------------------------------
+    def train_batch(self, batch: dict[str, torch.Tensor], microbatches: int | None = None) -> float:
+        """One optimizer step on ``batch`` (this replica's samples: ``input_ids``, optional
+        ``attention_mask`` and ``labels``), cut into ``microbatches`` (default
+        ``pp_microbatches``); the replica's mean micro-batch loss, on every rank of the
+        replica."""
+        loss = self._run(batch, microbatches or self.microbatches, training=True)
+        if self.tied and self.num_stages > 1:
+            for stage in self.stages:
+                if stage.first or stage.last:
+                    sync_tied_grads(stage, self.topology.tied.pg)
+        self.stage_optimizer.reduce()
+        self.clip_grad_norm_(self.config.gradient_clipping or float("inf"))
+        self.stage_optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        return loss
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Nothing is reduced between `train_batch` calls: a loop's no-sync window is free."""
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, torch.Tensor], microbatches: int | None = None) -> float:
+        """The replica's mean micro-batch loss on ``batch``, without a step."""
+        return self._run(batch, microbatches or self.microbatches, training=False)
+
+    def schedule_for(self, shape: tuple):
+        """The schedule for ``shape`` = (micro-batches, micro-batch shape...) (built on first
+        use; collective over this rank's pipeline, which sees the same batches)."""
+        if shape not in self._schedules:
+            if len(self._schedules) >= MAX_SCHEDULES:  # the oldest shape goes
+                self._schedules.pop(next(iter(self._schedules)))
+            pipes = [
+                PipelineStage(m, s, self.num_stages, self.device, group=self.topology.pp.pg)
+                for m, s in zip(self.stages, self.stage_ids)
+            ]
+            count = shape[0]
+            if len(pipes) > 1:
+                schedule = ScheduleInterleaved1F1B(pipes, count, loss_fn=lm_loss)
+            else:
+                # 1F1B needs at least one micro-batch per stage; a shorter window (the end of
+                # an epoch under the Trainer) runs GPipe, which computes the same step.
+                name = self.config.pp_schedule if count >= self.topology.pp_size else "gpipe"
+                schedule = SCHEDULES[name](pipes[0], count, loss_fn=lm_loss)
+            self._schedules[shape] = schedule
+        return self._schedules[shape]
+
+    def _run(self, batch: dict[str, torch.Tensor], microbatches: int, training: bool) -> float:
+        ids = batch["input_ids"].to(self.device).contiguous()
+        labels = batch.get("labels", ids).to(self.device).contiguous()
+        mask = batch.get("attention_mask")
+        if ids.shape[0] % microbatches:
+            raise ValueError(
+                f"hf_zero pipeline: a batch of {ids.shape[0]} samples does not split into "
+                f"{microbatches} micro-batches ('pp_microbatches')"
+            )
+        shape = (microbatches, ids.shape[0] // microbatches, *ids.shape[1:], mask is not None)
+        schedule = self.schedule_for(shape)
+        run = schedule.step if training else schedule.eval
+        losses: list[torch.Tensor] = []
+        target = labels if self.last else None
+        if self.first:
+            kwargs = {} if mask is None else {"attention_mask": mask.to(self.device).contiguous()}
+            run(ids, target=target, losses=losses, **kwargs)
+        else:
+            run(target=target, losses=losses)
+        mean = torch.zeros(1, device=self.device)
+        if self.last:
+            mean += torch.stack([x.detach().float() for x in losses]).mean()
+        topo = self.topology
+        src = topo.rank_of(topo.pp_size - 1, topo.dp_rank, topo.tp_rank)
+        dist.broadcast(mean, src, group=topo.pp.pg)
+        return mean.item()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the global gradient norm over every stage, replica and TP slice (a tied weight
+        counted once); returns the norm before clipping. Call after the reduction."""
+        sq = self.stage_optimizer.grad_norm_sq().to(self.device)
+        dist.all_reduce(sq)
+        norm = math.sqrt(sq.item())
+        coef = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1.0:
+            self.stage_optimizer.scale_grads(coef)
+        self.last_grad_norm = norm
+        self.grad_norm_post_clip = norm * min(coef, 1.0)
+        return norm
+
+    # --- reports ---------------------------------------------------------------------------
+    @property
+    def comm_stats(self):
+        """Bytes moved by hf_zero's collectives on this rank (the stages' point-to-point
+        activations are `torch.distributed.pipelining`'s and not counted)."""
+        return self.comm.stats
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: its stages' parameters and gradients, optimizer state."""
+        params = self.stage_parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(g.numel() * g.element_size() for g in grads),
+            "optimizer": self.stage_optimizer.state_bytes(),
+        }
+
+    # --- weights and checkpoints -----------------------------------------------------------
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (TP slices) with their Hugging Face names, on CPU."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return {
+            names[id(p)]: p.detach().to("cpu", copy=True)
+            for p in self.stage_parameters()
+            if id(p) in names
+        }
+
+    def saved_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a saved model holds: `full_state_dict` (pipeline stages train in fp32)."""
+        return self.full_state_dict()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters with their Hugging Face names on rank 0 (``{}``
+        elsewhere; collective)."""
+        mine = self.stage_state_dict()
+        if self.tp is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            for p in self.stage_parameters():
+                shard = self.tp.shard_of(p)
+                if shard is not None and id(p) in names:
+                    mine[names[id(p)]] = self.tp.gather_full(p.detach(), shard).cpu()
+        if self.topology.dp_rank != 0 or self.topology.tp_rank != 0:
+            mine = {}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        full = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    def save_checkpoint(self, directory, keep_last: int | None = None) -> None:
+        """Write a per-stage checkpoint atomically (collective); see `pipeline.checkpoint`."""
+        from hf_zero.engine.pipeline_checkpointing import save_checkpoint
+
+        save_checkpoint(self, directory, keep_last)
+
+    def load_checkpoint(self, directory) -> None:
+        """Resume from `save_checkpoint`'s directory, at this or another pp/dp layout."""
+        from hf_zero.engine.pipeline_checkpointing import load_checkpoint
+
+        load_checkpoint(self, directory)

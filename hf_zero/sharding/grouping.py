@@ -1,0 +1,237 @@
+"""From a model and its optimizer to `FlatParamGroup` buckets (stages 0-2) or units (stage 3).
+
+The policy in one place: which parameters share a bucket (same optimizer param group, same
+TP-split status, in reverse registration order, up to ``reduce_bucket_size`` elements), which
+stay whole on every rank (stage 3 below ``param_persistence_threshold``), the order reductions
+launch in, and the ZeRO++ settings the groups are built with.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from hf_zero.comm import Collectives, ZeroPPSettings
+from hf_zero.comm.topology import Topology
+from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.numerics.packed import is_int8_linear, is_packed, prepare_int8_module
+from hf_zero.numerics.precision import dtype_of
+from hf_zero.sharding.flat_group import FlatParamGroup
+from hf_zero.sharding.layout import bucket_params
+from hf_zero.sharding.stage3.coordinator import Unit, assign_params_to_units, find_units
+from hf_zero.sharding.stage3.partitioned_init import unshard
+from hf_zero.sharding.stage3.partitioned_load import slice_of, unshard_params
+from hf_zero.sharding.stage3.units import true_numel
+from hf_zero.storage.swap import SwapSpace, check_nvme_path
+
+logger = logging.getLogger(__name__)
+
+
+def zeropp_settings(config: ZeroConfig, topo: Topology) -> ZeroPPSettings:
+    """The ZeRO++ parts the config switches on, with the groups they run over."""
+    hpz = topo.hpz
+    if hpz is not None and hpz.spans_nodes:
+        logger.warning(
+            "hf_zero ZeRO++: 'hpz_partition_size' = %s is larger than the %s data-parallel "
+            "ranks of a node, so the backward gather still crosses nodes",
+            hpz.size,
+            topo.dp_intra_node.size,
+        )
+    if config.quantized_gradients and topo.dp_inter_node.size == 1:
+        logger.info(
+            "hf_zero ZeRO++: qgZ on a single node: one quantized all-to-all, no inter-node step"
+        )
+    return ZeroPPSettings(
+        quantized_weights=config.quantized_weights,
+        weight_bits=config.quantized_weights_bits,
+        hpz=hpz,
+        quantized_gradients=config.quantized_gradients,
+        gradient_bits=config.quantized_gradients_bits,
+        intra=topo.dp_intra_node,
+        inter=topo.dp_inter_node,
+        block_size=config.quantization_block_size,
+        error_feedback=config.quantized_gradients_error_feedback,
+        quantized_nontrainable_weights=config.frozen_format is not None,
+        frozen_format=config.frozen_format or "int",
+    )
+
+
+def log_quantization_padding(zpp: ZeroPPSettings, groups: list[FlatParamGroup]) -> None:
+    """Say once when buffers are shorter than, or not a multiple of, a quantization block."""
+    if not (zpp.quantized_weights or zpp.quantized_gradients or zpp.quantized_nontrainable_weights):
+        return
+    block = zpp.block_size
+    shards = [g.layout.shard_numel for g in groups]
+    short = sum(n < block for n in shards)
+    padded = sum(n >= block and n % block != 0 for n in shards)
+    if short or padded:
+        logger.info(
+            "hf_zero ZeRO++: of %d buckets, %d have shards shorter than "
+            "'quantization_block_size' = %d (they use one smaller block) and %d are padded "
+            "to whole blocks",
+            len(shards),
+            short,
+            block,
+            padded,
+        )
+
+
+class GroupBuilder:
+    """Builds the trainable groups (and, for stage 3, the units and frozen groups) of a model.
+
+    After `build`: ``units`` (stage 3), ``frozen_groups`` (stage 3) and ``grouped`` (ids of every
+    parameter that lives in a group).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: ZeroConfig,
+        topology: Topology,
+        comm: Collectives,
+        zeropp: ZeroPPSettings,
+        dtype: torch.dtype,
+        tp_split: Callable[[torch.Tensor], bool],
+    ) -> None:
+        self.module, self.config, self.topology, self.comm = module, config, topology, comm
+        self.zeropp, self.dtype, self.tp_split = zeropp, dtype, tp_split
+        self.units: list[Unit] = []
+        self.frozen_groups: list[FlatParamGroup] = []
+        self.grouped: set[int] = set()
+        self.swaps: dict[str, SwapSpace] = {}
+        """ZeRO-Infinity: the rank's swap space per NVMe tier (one per distinct path)."""
+        for tier in ("offload_param", "offload_optimizer"):
+            if getattr(config, tier) == "nvme":
+                key = f"{tier}.nvme_path" if getattr(config, f"{tier}_nvme_path") else "nvme_path"
+                root = check_nvme_path(key, config.nvme_path_for(tier))
+                shared = [s for s in self.swaps.values() if s.root == root]
+                self.swaps[tier] = (
+                    shared[0] if shared else SwapSpace(root, topology.rank, config.nvme_io_threads)
+                )
+
+    def build(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:
+        """The trainable groups, in the order their reductions launch."""
+        names: dict[int, str] = {}
+        for name, p in self.module.named_parameters():
+            names.setdefault(id(p), name)
+        group_of = self._param_group_index(optimizer, names)
+        ordered = list(dict.fromkeys(self.module.parameters()))
+        left_out = [names[id(p)] for p in ordered if p.requires_grad and id(p) not in group_of]
+        if left_out:
+            warnings.warn(
+                f"hf_zero: {len(left_out)} trainable parameters are not in the optimizer and will "
+                f"not be updated or synchronised (first: {left_out[:3]})",
+                stacklevel=4,
+            )
+        trainable = [p for p in ordered if p.requires_grad and id(p) in group_of]
+        reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
+
+        def make(
+            pg_index: int | None, params: list, stage: int, packed: bool = False
+        ) -> FlatParamGroup:
+            group = FlatParamGroup(
+                index=0,
+                param_group_index=pg_index,
+                names=[names[id(p)] for p in params],
+                params=params,
+                stage=stage,
+                dtype=self.dtype,
+                reduce_dtype=reduce_dtype,
+                shard_group=self.topology.dp,
+                rank=self.topology.rank,
+                comm=self.comm,
+                offload=pg_index is not None and self.config.offload_optimizer == "cpu",
+                zeropp=self.zeropp,
+                param_tier=self.config.offload_param if stage == 3 else "none",
+                param_swap=self.swaps.get("offload_param"),
+                optimizer_swap=self.swaps.get("offload_optimizer")
+                if pg_index is not None
+                else None,
+                packed=packed,
+            )
+            for p in params:
+                p._hf_zero_group = group  # found again by gathered_parameters()
+            group.tp_split = self.tp_split(params[0])
+            return group
+
+        if self.config.stage == 3:
+            threshold = self.config.param_persistence_threshold
+            replicated = [p for p in trainable if true_numel(p) < threshold]
+            groups = self._build_units(ordered, group_of, threshold, make)
+        else:
+            for module in self.module.modules():
+                unshard(module, self.comm, self.topology.dp)  # whole under stages 0-2
+            sliced = [p for p in dict.fromkeys(self.module.parameters()) if slice_of(p) is not None]
+            unshard_params(sliced, self.comm, self.topology.dp)
+            replicated, groups = trainable, []
+        # Gradients become ready roughly in reverse order of registration.
+        # Buckets never mix TP-split and replicated parameters (their norms add differently).
+        items = [((group_of[id(p)], self.tp_split(p)), p) for p in reversed(replicated)]
+        stage = min(self.config.stage, 2)
+        buckets = bucket_params(items, self.config.reduce_bucket_size)
+        groups += [make(key[0], params, stage) for key, params in buckets]
+        # Reductions launch in the order buckets complete: when their earliest parameter is done.
+        position = {id(p): i for i, p in enumerate(ordered)}
+        groups.sort(key=lambda g: -min(position[id(p)] for p in g.params))
+        for index, group in enumerate(groups):
+            group.index = index
+        self.grouped = {id(p) for g in groups + self.frozen_groups for p in g.params}
+        return groups
+
+    @staticmethod
+    def _param_group_index(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict:
+        group_of = {}
+        for index, param_group in enumerate(optimizer.param_groups):
+            for p in param_group["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"hf_zero: optimizer param group {index} holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                        "optimizer on model.parameters()"
+                    )
+                if id(p) in group_of:
+                    raise ValueError(
+                        f"hf_zero: parameter '{names[id(p)]}' appears in more than one "
+                        "optimizer param group"
+                    )
+                group_of[id(p)] = index
+        return group_of
+
+    def _build_units(self, ordered, group_of, threshold, make) -> list[FlatParamGroup]:
+        """Stage 3: one sharded group per (unit, param group), plus one for frozen parameters."""
+        found = find_units(self.module, log=self.topology.rank == 0)
+        owner = assign_params_to_units(self.module, [m for _, m in found])
+        self.units = [Unit(i, name, m, is_root=i == 0) for i, (name, m) in enumerate(found)]
+        members: dict[int, dict[int | None, list]] = {}
+        for module in self.module.modules():
+            if is_int8_linear(module):
+                prepare_int8_module(module)  # before its bytes move into a group
+        for p in ordered:
+            if true_numel(p) < threshold:
+                continue  # stays whole on every rank
+            pg = group_of.get(id(p)) if p.requires_grad else None
+            # bitsandbytes bytes get groups of their own, one per storage dtype.
+            packed = p.dtype if is_packed(p) else None
+            key = (pg, self.tp_split(p), packed)
+            members.setdefault(owner[id(p)], {}).setdefault(key, []).append(p)
+        sliced: dict[int, list] = {}  # a partitioned from_pretrained's slices, by unit
+        for p in dict.fromkeys(self.module.parameters()):
+            if slice_of(p) is not None:
+                sliced.setdefault(owner[id(p)], []).append(p)
+        groups = []
+        unit_modules = {id(u.module) for u in self.units}
+        for unit in self.units:
+            unshard(unit.module, self.comm, self.topology.dp)  # whole while regrouped
+            unshard_params(sliced.get(unit.index, []), self.comm, self.topology.dp)
+            if unit.is_root:  # a wrapped partitioned root (PEFT over the model): its own slices
+                for module in self.module.modules():
+                    if id(module) not in unit_modules:
+                        unshard(module, self.comm, self.topology.dp)
+            for (pg, _, packed), params in members.get(unit.index, {}).items():
+                group = make(pg, params, 3, packed=packed is not None)
+                unit.groups.append(group)
+                (groups if pg is not None else self.frozen_groups).append(group)
+        return groups

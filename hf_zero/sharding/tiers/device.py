@@ -1,0 +1,72 @@
+"""The shard in device memory (plain ZeRO-3) or in host memory (``offload_param: cpu``)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.numerics.quant import Quantized
+
+
+class Tier:
+    """What every tier offers its group. ``context`` carries what a tier may need beyond the
+    values (the NVMe swap space, quantization settings); unused by the in-memory tiers."""
+
+    kind = "params"  # `memory_report()` kind of the bytes held
+    permanent = False  # True: the shard never changes (MixZ++), gathers may keep copies of it
+
+    def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
+        raise NotImplementedError
+
+    def fetch(self) -> torch.Tensor | Quantized:
+        """The shard, on the device, for one gather (the gather holds it until it is done)."""
+        raise NotImplementedError
+
+    def prefetch(self) -> None:
+        """Start bringing the shard closer (read-ahead); a no-op where it is already close."""
+
+    def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
+        """Copy ``values`` into elements ``[start, start + len)`` of the shard."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Wait for writes started with ``non_blocking=True`` (device copies are stream-ordered,
+        so only the NVMe tier has any)."""
+
+    def held_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+class DeviceTier(Tier):
+    """The shard in device memory (plain ZeRO-3): gathers read it in place."""
+
+    def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
+        self.data = values.to(device, copy=True)
+
+    def fetch(self) -> torch.Tensor:
+        return self.data
+
+    def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
+        self.data[start : start + values.numel()].copy_(values, non_blocking=non_blocking)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {self.kind: self.data.numel() * self.data.element_size()}
+
+
+class HostTier(DeviceTier):
+    """The shard in host memory (``offload_param: cpu``); a gather copies it to the device.
+
+    On a CPU-only machine host and device are the same memory, and the same copies run, so the
+    path is exercised (and exact) in every test.
+    """
+
+    kind = "host_params"
+
+    def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
+        self.device = device
+        pin = device.type == "cuda"
+        self.data = torch.empty(values.numel(), dtype=values.dtype, pin_memory=pin)
+        self.data.copy_(values)
+
+    def fetch(self) -> torch.Tensor:
+        local = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.device)
+        return local.copy_(self.data, non_blocking=True)

@@ -1,0 +1,79 @@
+"""The shard in a swap file (``offload_param: nvme``, ZeRO-Infinity), read ahead on demand.
+
+Between gathers the shard's bytes are only on disk. `prefetch` starts reading them into an
+aligned host buffer on the swap space's I/O threads (the ZeRO-3 coordinator calls it for the next
+units of the traced order, ``offload_param.buffer_count`` of them); `fetch` waits for that read
+(or starts it) and hands the buffer to the gather, which frees it when done. Writes (the step's
+updated tiles) go out asynchronously; a later read of the same file waits for them first.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from hf_zero.sharding.tiers.device import Tier
+from hf_zero.storage.swap import ALIGN, SwapSpace
+
+
+class NvmeTier(Tier):
+    """``context`` is the rank's `SwapSpace`."""
+
+    kind = "nvme_params"  # bytes on disk, not in memory
+
+    def __init__(self, values: torch.Tensor, device: torch.device, context: SwapSpace) -> None:
+        self.device = device
+        self.swap = context
+        self.numel, self.dtype = values.numel(), values.dtype
+        self.itemsize = values.element_size()
+        self.file = context.file("param", self.numel * self.itemsize)
+        self._read: tuple[torch.Tensor, Future] | None = None
+        self._writes: list[Future] = []
+        self.stats = {"reads": 0, "read_ahead_hits": 0}
+        """Shard reads for gathers, and how many of them had been started ahead (`prefetch`)."""
+        self.write_(values)
+        self.flush()
+
+    def prefetch(self) -> None:
+        if self._read is None:
+            self.flush()  # never read what an unfinished write is still changing
+            buffer = self.swap.buffer(self.numel, self.dtype)
+            self._read = (buffer, self.file.read_async(buffer))
+
+    def fetch(self) -> torch.Tensor:
+        self.stats["reads"] += 1
+        self.stats["read_ahead_hits"] += self._read is not None
+        self.prefetch()
+        (buffer, done), self._read = self._read, None
+        done.result()
+        return buffer.to(self.device, non_blocking=True)
+
+    def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
+        self._drop_read()  # its bytes are about to be stale
+        per_block = ALIGN // self.itemsize
+        lo = start // per_block * per_block
+        hi = min(-(-(start + values.numel()) // per_block) * per_block, self.numel)
+        buffer = self.swap.buffer(hi - lo, self.dtype)
+        if lo != start or hi != start + values.numel():
+            self.flush()
+            self.file.read(buffer, lo * self.itemsize)  # keep the rest of the edge blocks
+        buffer[start - lo : start - lo + values.numel()].copy_(values)
+        self._writes.append(self.file.write_async(buffer, lo * self.itemsize))
+        if not non_blocking:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for every write started so far."""
+        writes, self._writes = self._writes, []
+        for done in writes:
+            done.result()
+
+    def _drop_read(self) -> None:
+        if self._read is not None:
+            self._read[1].result()
+            self._read = None
+
+    def held_bytes(self) -> dict[str, int]:
+        resident = self.numel * self.itemsize if self._read is not None else 0
+        return {self.kind: self.file.nbytes, "host_params": resident}
