@@ -38,7 +38,7 @@ from hf_zero.sharding.stage3.gathered import gathered_parameters
 from hf_zero.sharding.stage3.state_dict import StateDictHooks, mark_whole_shapes
 from hf_zero.sharding.stage3.units import true_numel
 from hf_zero.sharding.tp import PRESETS, TensorParallel, resolve_plan
-from hf_zero.storage import host_memory
+from hf_zero.storage.host_memory import HostMemoryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,28 @@ class ZeroEngine(Engine):
         # Everything that can be refused is checked before any process-group work.
         optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
 
+        self._connect(config)
+        self._place_model(model, optimizer)
+        nvme = "nvme" in (config.offload_param, config.offload_optimizer)
+        self.host_memory = HostMemoryPolicy(
+            self.device.type == "cpu", config.host_memory, nvme, config.stage
+        )
+        """When freed host memory goes back to the OS (CPU runs)."""
+        self.host_memory.start()
+        self._build_groups(model, optimizer)
+        self.host_memory.after_build()
+        self._build_stage3()
+        self._build_step(optimizer, lr_scheduler)
+        # Count from the first step; what set-up sent (broadcasts, AutoTP, regroup) is kept.
+        self.init_comm_stats: CommStats = self.comm.stats.reset()
+        ZeroEngine.instances_created += 1
+        if self.topology.rank == 0:
+            # Printed, not logged: scripts often set warning-level logging, and this line is
+            # how a user sees that hf_zero (and which stage) is really in charge.
+            print(f"hf_zero: {self.describe()}", file=sys.stderr, flush=True)
+
+    def _connect(self, config: ZeroConfig) -> None:
+        """Process groups, collectives, the stall watchdog; "auto" values resolved."""
         init_distributed(timeout=config.comm_timeout)
         hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
         self.topology = Topology.build(
@@ -74,11 +96,14 @@ class ZeroEngine(Engine):
             lambda: getattr(me(), "global_steps", "?"),
         )  # fmt: skip
         self.zeropp = zeropp_settings(config, self.topology)
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        hidden = getattr(getattr(self.module, "config", None), "hidden_size", None)
         config.resolve_auto(hidden_size=hidden, world_size=self.topology.dp_size)
         config.check_batch_sizes(self.topology.dp_size)
         self.dtype = DTYPES[config.precision]
 
+    def _place_model(self, model: torch.nn.Module, optimizer) -> None:
+        """Check the model (materialised, the same on every rank), move it to this rank's
+        device, apply AutoTP and start every replica from rank 0's values."""
         check_materialized(model)
         self.loaded_dtypes = {id(p): p.dtype for p in model.parameters()}
         """Each parameter's dtype before training: the dtype a saved model has."""
@@ -90,46 +115,45 @@ class ZeroEngine(Engine):
             self._apply_tensor_parallel(optimizer)
         self._broadcast_module()
 
-        nvme = "nvme" in (config.offload_param, config.offload_optimizer)
-        self._reuse_host = config.host_memory == "reuse" and not nvme
-        if self.device.type == "cpu" and self._reuse_host:
-            host_memory.reuse_freed_memory()
-        if nvme and self.device.type == "cpu":
-            host_memory.unmap_large_frees()  # ZeRO-Infinity: the host holds a working set only
+    def _build_groups(self, model: torch.nn.Module, optimizer) -> None:
+        """The flat groups (buckets, or stage-3 units) and their swap spaces."""
         builder = GroupBuilder(
-            model, config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split
+            model, self.config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split
         )
         self.groups = builder.build(optimizer)
-        self.units, self.frozen_groups, self._grouped = (
-            builder.units,
-            builder.frozen_groups,
-            builder.grouped,
-        )
+        self.units, self.frozen_groups = builder.units, builder.frozen_groups
+        self._grouped = builder.grouped
         self.swaps = builder.swaps
         """ZeRO-Infinity: this rank's swap spaces (NVMe tiers), removed by `close` or at exit."""
-        if self.swaps and self.device.type == "cpu":
-            host_memory.trim()  # what building the groups freed (the model's own tensors)
         log_quantization_padding(self.zeropp, self.groups + self.frozen_groups)
         self._cast_other_params()
+
+    def _build_stage3(self) -> None:
+        """Stage 3: the coordinator's gather/release hooks and whole-weight state dicts."""
+        config = self.config
         self.coordinator: Zero3Coordinator | None = None
         self.state_dict_hooks: StateDictHooks | None = None
         """Stage 3: make ``model.state_dict()``/``load_state_dict()`` gather (collective)."""
-        if config.stage == 3:
-            self.coordinator = Zero3Coordinator(
-                self.units,
-                control=self.topology.dp_control,
-                prefetch_numel=config.prefetch_bucket_size,
-                max_live_numel=config.max_live_parameters,
-                check_execution_order=config.check_execution_order,
-                read_ahead=config.offload_param_buffer_count
-                if "offload_param" in self.swaps
-                else 0,
-                comm=self.comm,
-            )
-            mark_whole_shapes(self.groups + self.frozen_groups)
-            self.state_dict_hooks = StateDictHooks(
-                self.module, self.units, self.topology.dp_control, self.tp, self.comm
-            )
+        if config.stage != 3:
+            return
+        read_ahead = config.offload_param_buffer_count if "offload_param" in self.swaps else 0
+        self.coordinator = Zero3Coordinator(
+            self.units,
+            control=self.topology.dp_control,
+            prefetch_numel=config.prefetch_bucket_size,
+            max_live_numel=config.max_live_parameters,
+            check_execution_order=config.check_execution_order,
+            read_ahead=read_ahead,
+            comm=self.comm,
+        )
+        mark_whole_shapes(self.groups + self.frozen_groups)
+        self.state_dict_hooks = StateDictHooks(
+            self.module, self.units, self.topology.dp_control, self.tp, self.comm
+        )
+
+    def _build_step(self, optimizer, lr_scheduler) -> None:
+        """The loss scaler, the gradient reducer, the sharded optimizer and the counters."""
+        config = self.config
         self.loss_scaler = LossScaler.from_config(config)
         self.reducer = GradientReducer(
             self.groups,
@@ -161,13 +185,6 @@ class ZeroEngine(Engine):
         """True when the last boundary step was skipped (fp16 overflow)."""
         self._clipped = False
         self._in_engine_backward = False
-        # Count from the first step; what set-up sent (broadcasts, AutoTP, regroup) is kept.
-        self.init_comm_stats: CommStats = self.comm.stats.reset()
-        ZeroEngine.instances_created += 1
-        if self.topology.rank == 0:
-            # Printed, not logged: scripts often set warning-level logging, and this line is
-            # how a user sees that hf_zero (and which stage) is really in charge.
-            print(f"hf_zero: {self.describe()}", file=sys.stderr, flush=True)
 
     def describe(self) -> str:
         """One line: stage, ranks, precision and what is switched on (printed at start)."""
@@ -326,11 +343,7 @@ class ZeroEngine(Engine):
         else:
             self.skipped_steps += 1
         self.zero_grad()
-        if self.device.type == "cpu" and self.config.stage >= 2 and not self._reuse_host:
-            # The sharded gradients freed here leave the process, not just the heap. Stages
-            # 0-1 keep their gradient buffers; their few transients are better reused than
-            # returned (a trim costs the next step its page faults: stage 1 measured 1.09x DDP).
-            host_memory.trim()
+        self.host_memory.after_step()
         return stepped
 
     def train_batch(self, batch: Batch, microbatches: int | None = None) -> float:

@@ -157,6 +157,8 @@ class ShardedOptimizer:
         self.dp_group = dp_group
         self.loss_scaler = loss_scaler
         self.offload = any(g.offload for g in groups)
+        self.streamed = any(g.master_weights.location == "nvme" for g in groups)
+        """ZeRO-Infinity: master, gradient and state are streamed from swap files in tiles."""
         self.fast_kernel = (
             self.offload and supports_fast_step(optimizer) and not isinstance(optimizer, CPUAdam)
             and fast_kernel
@@ -187,8 +189,7 @@ class ShardedOptimizer:
         optimizer.state = shard_optimizer_state(optimizer.state, groups)
         self.buffer_count = buffer_count
         for g in groups:
-            if g.swapped is not None and g.master in optimizer.state:
-                g.swapped.write_state(optimizer.state.pop(g.master))  # NVMe: on disk only
+            g.master_weights.adopt_state(optimizer)
         for index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [g.master for g in groups if g.param_group_index == index]
 
@@ -262,7 +263,7 @@ class ShardedOptimizer:
             if work is not None:
                 work.wait()
         for group in self.groups:
-            group.drop_staging()
+            group.drop_staged()
         return True
 
     def _optimizer_step(self) -> None:
@@ -271,10 +272,10 @@ class ShardedOptimizer:
         if not self.offload:
             self._step_bucket_by_bucket()
             return
-        if any(g.swapped is not None for g in self.groups):
+        if self.streamed:
 
             def write_back(group: FlatParamGroup, start: int, end: int, values) -> None:
-                group.stage_tile(start, end, values)
+                group.send_tile(start, end, values)
 
             streamed_step(
                 self.optimizer, self.groups, self.fast_kernel, write_back,
@@ -283,7 +284,7 @@ class ShardedOptimizer:
             return
 
         def copy_back(master: torch.Tensor, start: int, end: int) -> None:
-            self._group_of_master[id(master)].stage_tile(start, end)
+            self._group_of_master[id(master)].send_tile(start, end)
 
         on_tile = copy_back if self.overlap_copy_back else None
         if isinstance(self.optimizer, CPUAdam):
@@ -324,34 +325,15 @@ class ShardedOptimizer:
 
     def state_of(self, group: FlatParamGroup) -> dict:
         """The optimizer state of ``group``'s master shard (read from disk under NVMe)."""
-        if group.swapped is not None:
-            return group.swapped.read_state()
-        return self.optimizer.state.get(group.master, {})
+        return group.master_weights.optimizer_state(self.optimizer)
 
     def state_spec(self, group: FlatParamGroup) -> dict[str, tuple[torch.dtype, tuple]]:
         """Dtype and shape of each state tensor of ``group``, without reading them."""
-        if group.swapped is not None:
-            swapped = group.swapped
-            spec = {k: (swapped.dtypes[k], (swapped.numel,)) for k in swapped.state_keys}
-            scalars = swapped.scalars.items()
-        else:
-            spec, scalars = {}, self.optimizer.state.get(group.master, {}).items()
-        spec.update({k: (v.dtype, tuple(v.shape)) for k, v in scalars if torch.is_tensor(v)})
-        return spec
+        return group.master_weights.state_spec(self.optimizer)
 
     def load_state_of(self, group: FlatParamGroup, master: torch.Tensor, state: dict) -> None:
         """Replace ``group``'s fp32 master shard and optimizer state (a loaded checkpoint)."""
-        if group.swapped is not None:
-            group.swapped.write_master(master)
-            group.swapped.write_state(state)
-            group.stage_tile(0, master.numel(), master)  # the parameters follow
-            return
-        group.master.copy_(master)
-        state = {
-            k: v.to(group.master.device) if torch.is_tensor(v) else v for k, v in state.items()
-        }
-        if state:
-            self.optimizer.state[group.master] = state
+        group.master_weights.load(master, state, self.optimizer, group.placement)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors (momenta, variances, step counters)."""

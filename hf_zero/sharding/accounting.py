@@ -10,7 +10,7 @@ def group_held_bytes(group) -> dict[str, int]:
     """What one `FlatParamGroup` holds now, by the kinds `memory_report()` sums: the measured
     side of the formulas above. ``host_*`` kinds are in host memory (offload), ``nvme_*`` in swap
     files (disk, not memory)."""
-    params = _nbytes(group.flat_param) + _nbytes(group._staging)
+    params = _nbytes(group.flat_param) + group.placement.staged_bytes()
     tier = group.tier.held_bytes() if group.tier is not None else {}
     params += tier.pop("params", 0)  # a device shard; an offloaded one stays "host_params"
     grads = _nbytes(group.flat_grad)
@@ -19,17 +19,10 @@ def group_held_bytes(group) -> dict[str, int]:
     extra = {}
     if group.gather_codec is not None and group.gather_codec.held_bytes():
         extra["secondary_params"] = group.gather_codec.held_bytes()
-    if group.swapped is not None:
-        extra.update(group.swapped.held_bytes())
-        kinds = {"grads": grads}
+    if group.master_weights is None:  # frozen
+        kinds = {"grads": grads, "master_weights": 0}
     else:
-        master_grad = group.grads.held_bytes(group.flat_grad) if group.grads is not None else 0
-        own_master = group.master is not None and not group.master_aliases_params
-        master_bytes = _nbytes(group.master) if own_master else 0
-        if group.offload:
-            kinds = {"grads": grads, "host_grads": master_grad, "host_master_weights": master_bytes}
-        else:
-            kinds = {"grads": grads + master_grad, "master_weights": master_bytes}
+        kinds = group.master_weights.held_bytes(grads, group.flat_grad)
     if getattr(group, "packed", None) is not None:  # bitsandbytes codes: counted apart
         return {**extra, **tier, "params": 0, "quantized_params": params, **kinds}
     return {**extra, **tier, "params": params, **kinds}

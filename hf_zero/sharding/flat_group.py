@@ -33,18 +33,21 @@ state live in host memory: reduced gradient shards are copied device-to-host, th
 on the host, and updated values go host-to-device before the usual gather. On CUDA the host
 buffers are pinned and the copies asynchronous; on CPU the same path runs with the same copies.
 
-The group is the *when*; three kinds of small objects hold the *how* and the *where*:
+The group is the *when*; small objects chosen once, at construction, hold the *how* and the
+*where*, so no method of the group asks which stage, precision or offload it runs:
 
-* a storage tier (`hf_zero.sharding.tiers`): where a stage-3 shard lives between gathers - device, host
-  (``offload_param: cpu``), a swap file (``nvme``) or INT8 blocks (MixZ++, frozen groups);
-* a gather codec and a reduce codec (`hf_zero.sharding.codecs`): exact, qwZ or hpZ gathers; all-reduce,
-  reduce-scatter or qgZ reductions. Exact gathers (checkpoints, ``gathered_parameters``) bypass
-  qwZ and hpZ;
-* a gradient intake (`hf_zero.sharding.grad_intake`): stages 0-1 accumulate in ``flat_grad``, stages 2-3
-  copy into the bucket's reduction input.
-
-With ``offload_optimizer: nvme`` the master shard, its gradient and the optimizer state are in
-swap files (`hf_zero.sharding.swapped_state.SwappedState`), and the step streams them.
+* its placement (`hf_zero.sharding.placement`): the whole buffer (stage 0), the whole buffer
+  with this rank's region all-gathered after the step (stages 1-2), or a shard in a storage tier
+  (stage 3, `hf_zero.sharding.tiers`: device, host, swap file, INT8 blocks for MixZ++);
+* its master weights (`hf_zero.sharding.master`): none (frozen), the parameters themselves (fp32),
+  an fp32 copy on the device, in host memory (``offload_optimizer: cpu``) or in swap files
+  (``nvme``, `hf_zero.sharding.swapped_state.SwappedState`, the step streams them);
+* a gather codec and a reduce codec (`hf_zero.sharding.codecs`): exact, qwZ or hpZ gathers;
+  all-reduce, reduce-scatter or qgZ reductions. Exact gathers (checkpoints,
+  ``gathered_parameters``) bypass qwZ and hpZ;
+* a gradient intake (`hf_zero.sharding.grad_intake`): stage 0 all-reduces ``flat_grad``, stage 1
+  reduce-scatters it and keeps the sum in its own region, stages 2-3 copy into the bucket's
+  reduction input.
 """
 
 from __future__ import annotations
@@ -56,9 +59,10 @@ from hf_zero.comm.topology import Group
 from hf_zero.numerics.packed import PackedViews
 from hf_zero.sharding.accounting import group_held_bytes
 from hf_zero.sharding.codecs import ExactGather, QgZReduce, gather_codec, reduce_codec
-from hf_zero.sharding.grad_intake import BucketGrads, FlatGrads
-from hf_zero.sharding.grad_store import GradStore, start_copy
+from hf_zero.sharding.grad_intake import grad_intake
 from hf_zero.sharding.layout import FlatLayout
+from hf_zero.sharding.master import TILES_SENT, MasterWeights, master_weights
+from hf_zero.sharding.placement import Placement, ReplicatedParams, ShardedParams, WholeParams
 from hf_zero.sharding.tiers import PARAM_TIERS, QuantizedTier, Tier
 from hf_zero.storage.swap import SwapSpace
 
@@ -95,9 +99,6 @@ class FlatParamGroup:
         """AutoTP: the parameters are this rank's slices (their gradient norms add over TP)."""
         self.param_group_index = param_group_index
         self.trainable = param_group_index is not None
-        self.offload = offload or (optimizer_swap is not None and self.trainable)
-        """Master weights, their gradient and the optimizer step are on the host (cpu or nvme)."""
-        self.host = torch.device("cpu")
         self.params, self.names, self.stage = params, names, stage
         self.dtype, self.reduce_dtype, self.comm = dtype, reduce_dtype, comm
         # Stage 0 does not partition the optimizer: one "shard" covering the whole buffer.
@@ -112,90 +113,97 @@ class FlatParamGroup:
         self.layout = FlatLayout(names, shapes, num_shards)
         if packed:
             self.dtype = dtype = torch.uint8
-            full32 = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
-            self.packed.fill(full32, self.layout.slots, params)
-        else:
-            # fp32 master weights come from the parameters' original values, before any cast
-            # to 16 bits, so mixed precision loses nothing at initialisation.
-            full32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-            for slot, p in zip(self.layout.slots, params):
-                full32[slot.offset : slot.end].copy_(p.detach().reshape(-1))
-        start, end = self.layout.shard_range(self.shard_index)
-        fp32 = dtype == torch.float32
-        self.flat_param: torch.Tensor | None = None
+        initial = self._initial_values()
+        shard = self.layout.shard_range(self.shard_index)
+        self.flat_param: torch.Tensor | None = None  # stage 3: only while gathered
         self.tier: Tier | None = None  # stage 3: where the shard lives between gathers
-        mixz = zpp.quantized_nontrainable_weights and not packed  # bnb bytes stay as they are
-        if stage == 3 and not self.trainable and mixz:
-            self.tier = QuantizedTier(full32[start:end], self.device, zpp)
-        elif stage == 3:
-            self.tier = PARAM_TIERS[param_tier](
-                full32[start:end].to(dtype), self.device, param_swap
-            )
-        else:
-            self.flat_param = full32 if fp32 else full32.to(dtype)
-        owner = self.flat_param if stage < 3 else getattr(self.tier, "data", None)
-        # In fp32 the master weights *are* the parameters, no copy: stage 3 steps its device
-        # shard in place, stages 0-2 this rank's region of flat_param (stages 1-2 then all-gather
-        # the other regions; stage 0's region is the whole buffer).
-        in_place = stage < 3 or param_tier == "none"
-        self.master_aliases_params = fp32 and not self.offload and in_place and owner is not None
-        self.master: torch.nn.Parameter | None = None
-        self.swapped = None  # offload_optimizer: nvme - master, gradient and state on disk
+        self.placement = self._placement(initial, shard, param_tier, param_swap)
+        self.master_weights: MasterWeights | None = None
         if self.trainable:
-            if self.master_aliases_params:
-                master = owner if stage == 3 else owner[start:end]
-            elif optimizer_swap is not None:
-                from hf_zero.sharding.swapped_state import SwappedState
-
-                self.swapped = SwappedState(optimizer_swap, full32[start:end], shard_group.size)
-                master = torch.empty(0, dtype=torch.float32)  # the bytes are in the swap file
-            elif self.offload:
-                master = self._host_empty(self.layout.shard_numel).copy_(full32[start:end])
-            else:
-                master = full32[start:end].clone()
-            self.master = torch.nn.Parameter(master, requires_grad=False)
-        # The reduced gradient from its reduction to the step (see hf_zero.sharding.grad_store).
-        self.grads = None
-        if self.swapped is not None:
-            self.grads = self.swapped.grads
-        elif self.trainable:
-            self.grads = GradStore(self.master, shard_group.size)
-        self._staging: torch.Tensor | None = None  # offload: updated shard on its way to the device
-        self._staged = False
-        del full32
-
-        self.gather_codec = self.exact_gather = None
-        self._gather_work = None
-        self._gathering_with = None  # the codec of the gather in flight
-        if stage == 3:
-            # Packed bytes are never re-quantized by qwZ; hpZ may keep copies of them.
-            permanent = self.tier.permanent or packed
-            self.gather_codec = gather_codec(comm, zpp, shard_group, rank, permanent)
-            # A MixZ++ group has nothing but its quantized shard: every gather is "exact" for it.
-            exact = ExactGather(comm, shard_group, zpp)
-            self.exact_gather = self.gather_codec if permanent else exact
+            offload_to = "nvme" if optimizer_swap is not None else "cpu" if offload else "none"
+            self.master_weights = master_weights(
+                initial[shard[0] : shard[1]], self.placement, dtype == torch.float32,
+                shard_group.size, offload_to, optimizer_swap, pin=self.device.type == "cuda",
+            )  # fmt: skip
+        del initial
+        self.gather_codec = self.exact_gather = self._gathering_with = self._gather_work = None
+        if self.tier is not None:
+            self._choose_gather_codecs(permanent=self.tier.permanent or packed)
             self._release_views()
         else:
             self._point_params_at(self.flat_param)
         self.reduce_codec = None
         if self.trainable:
             self.reduce_codec = reduce_codec(comm, zpp, stage, shard_group, self.numel)
-        if stage < 2:
-            self.intake = FlatGrads(self.layout, params, dtype, self.device)
-        else:
-            self.intake = BucketGrads(self.layout, params, reduce_dtype, self.device)
+        self.intake = grad_intake(stage, self.layout, params, dtype, reduce_dtype, shard)
 
         # Per-backward state.
         self.received = False  # a gradient arrived since the last reduction
         self._ready = [False] * len(params)
         self.num_ready = 0
         self.launched = False
-        self._reduce_input: torch.Tensor | None = None  # stage 1: flat_grad while it reduces
-        self._landed = False  # NVMe optimizer: this backward's reduction is already written
+
+    def _initial_values(self) -> torch.Tensor:
+        """The whole padded buffer: fp32 values (masters start from the parameters' values
+        before any cast to 16 bits, so mixed precision loses nothing at initialisation), or a
+        packed group's bytes."""
+        if self.packed is not None:
+            flat = torch.zeros(self.numel, dtype=torch.uint8, device=self.device)
+            self.packed.fill(flat, self.layout.slots, self.params)
+            return flat
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        for slot, p in zip(self.layout.slots, self.params):
+            flat[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+        return flat
+
+    def _choose_gather_codecs(self, permanent: bool) -> None:
+        """Stage 3: the gather codec (qwZ / hpZ / exact), and the one exact gathers use.
+        ``permanent``: the shard never changes (MixZ++, packed bytes): never re-quantized, and
+        a MixZ++ group has nothing but its quantized shard, so every gather is "exact" for it."""
+        comm, settings, group = self.comm, self.zeropp, self.shard_group
+        self.gather_codec = gather_codec(comm, settings, group, self.comm_rank, permanent)
+        self.exact_gather = self.gather_codec if permanent else ExactGather(comm, group, settings)
+
+    def _placement(
+        self, full32: torch.Tensor, shard: tuple[int, int], param_tier: str, param_swap
+    ) -> Placement:
+        """The parameters' side: the whole buffer (stages 0-2) or a shard in its tier (3)."""
+        if self.stage < 3:
+            flat = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
+            self.flat_param = flat
+            if self.stage == 0:
+                return WholeParams(flat)
+            return ReplicatedParams(flat, shard, self.comm, self.shard_group)
+        values = full32[shard[0] : shard[1]]
+        if self.zeropp.quantized_nontrainable_weights and not self.trainable and not self.packed:
+            self.tier = QuantizedTier(values, self.device, self.zeropp)  # MixZ++
+        else:
+            self.tier = PARAM_TIERS[param_tier](values.to(self.dtype), self.device, param_swap)
+        return ShardedParams(self.tier, self.dtype)
 
     @property
     def numel(self) -> int:
         return self.layout.padded_numel
+
+    @property
+    def master(self) -> torch.nn.Parameter | None:
+        """The fp32 master shard the optimizer steps (empty under NVMe; None when frozen)."""
+        return self.master_weights.param if self.master_weights is not None else None
+
+    @property
+    def grads(self):
+        """The reduced gradient until the step (`hf_zero.sharding.grad_store.GradStore`)."""
+        return self.master_weights.grads if self.master_weights is not None else None
+
+    @property
+    def swapped(self):
+        """``offload_optimizer: nvme``: the swap files of master, gradient and state."""
+        return self.master_weights.swapped if self.master_weights is not None else None
+
+    @property
+    def offload(self) -> bool:
+        """Master weights, their gradient and the optimizer step are on the host."""
+        return self.master_weights is not None and self.master_weights.location != "device"
 
     @property
     def flat_grad(self) -> torch.Tensor | None:
@@ -252,7 +260,7 @@ class FlatParamGroup:
 
     def release(self) -> None:
         """Free the full parameters; only this rank's shard stays (stage 3)."""
-        if self.stage != 3 or self.flat_param is None:
+        if self.tier is None or self.flat_param is None:
             return
         if self._gather_work is not None:
             self._gather_work.wait()
@@ -303,8 +311,6 @@ class FlatParamGroup:
         if self.reduce_codec.takes_output and output is None:
             output = self._new_shard()
         self.reduce_codec.launch(full, output, async_op)
-        # Stage 1 reduces flat_grad itself and keeps the sum in its own region (finish_reduce).
-        self._reduce_input = full if self.stage == 1 else None
 
     def wait_reduce(self) -> None:
         """Wait for the launched reduction; `finish_reduce` still hands its result over."""
@@ -314,52 +320,19 @@ class FlatParamGroup:
         """NVMe optimizer: write the finished reduction out now rather than at the end of
         backward (only then does every rank know whether any had a gradient: `finish_reduce`
         commits it). A no-op for other groups."""
-        if self.swapped is None or not self.launched or self._landed:
-            return
-        reduced = self.reduce_codec.finish()
-        host = self.swapped.space.buffer(reduced.numel(), torch.float32)  # written out as is
-        self.grads.fold_host(host, start_copy(host, reduced), accumulate=True)
-        self._landed = True
+        if self.launched:
+            self.master_weights.land(self.reduce_codec)
 
     def finish_reduce(self, received: bool = True) -> None:
-        """Wait for the reduction and hand the summed gradient to ``grads`` (`GradStore`).
+        """Wait for the reduction and hand the summed gradient to the master weights' ``grads``.
 
-        ``received=False`` (no rank had a gradient for this bucket) leaves it as it is, so a
-        bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
+        ``received=False`` (no rank had a gradient for this bucket) leaves them as they are, so
+        a bucket unused everywhere is skipped by the optimizer rather than stepped with 0.
         """
-        if self.swapped is not None:
-            self.land_reduction()
-            self.grads.commit(received)
-            self._landed = False
-            self._end_reduction()
-            return
-        reduced = self.reduce_codec.finish()
-        accumulate = self.stage >= 2  # stages 0-1 reduce a whole window's sum at once
-        in_place = self.stage == 1 and self._reduce_input is self.flat_grad
-        if in_place:
-            # Stage 1 keeps the sum in flat_grad's own region (no second gradient buffer) and
-            # zeroes the rest: a later synced backward before the step (DDP-style accumulation)
-            # adds to it, and the next reduction is again the exact total.
-            start, end = self.layout.shard_range(self.shard_index)
-            reduced = self.flat_grad[start:end].copy_(reduced)
-            self.flat_grad[:start].zero_()
-            self.flat_grad[end:].zero_()
-        if not received:
-            pass
-        elif self.offload:
-            host = self._host_empty(reduced.numel())
-            self.grads.fold_host(host, start_copy(host, reduced), accumulate)
-        elif self.stage == 0 and reduced is self.flat_grad and reduced.dtype != torch.float32:
-            # 16-bit stage 0 reduced flat_grad itself: average it in place, as DDP does, so a
-            # later synced backward before the step (DDP-style accumulation) adds to an average
-            # and the next all-reduce is again the exact total.
-            self.grads.fold(reduced.div_(self.shard_group.size), False, averaged=True)
-        else:
-            self.grads.fold(reduced, accumulate, average_now=not in_place)
+        self.master_weights.finish_reduction(self.reduce_codec, self.intake, received)
         self._end_reduction()
 
     def _end_reduction(self) -> None:
-        self._reduce_input = None
         self.reset_backward()
         self.launched = False
         self.received = False
@@ -371,45 +344,19 @@ class FlatParamGroup:
 
     # --- after the optimizer step ------------------------------------------------------------
     def gather_params(self, async_op: bool):
-        """Bring the parameters up to date with the stepped master weights."""
+        """Bring the parameters up to date with the stepped master weights; a collective's
+        work handle, or None."""
         self.release()  # stage 3: a copy gathered before the step would be stale
         self.drop_secondary()
-        if self.master_aliases_params and self.stage in (0, 3):
-            return None  # the step updated the parameters themselves
-        staged, self._staged = self._staged, False
-        if self.swapped is not None and not staged:
-            return None  # not stepped (no gradient anywhere): the parameters did not change
-        if self.offload and not staged:
-            self.stage_tile(0, self.layout.shard_numel)
-            self._staged = False
-        if self.offload and self.stage == 3:
-            self.tier.flush()
-            return None  # stage_tile wrote the shard itself
-        if self.offload:
-            return self.comm.all_gather(
-                self.flat_param, self._staging, self.shard_group, async_op=async_op
-            )
-        updated = self.master.detach()
-        if self.stage == 0:
-            self.flat_param.copy_(updated)
-            return None
-        if self.stage == 3:
-            self.tier.write_(updated)  # the next forward gathers it
-            return None
-        shard = updated.to(self.dtype)  # fp32: flat_param's own region, gathered in place
-        return self.comm.all_gather(self.flat_param, shard, self.shard_group, async_op=async_op)
+        update = self.master_weights.updated(self.placement)
+        if update is None:
+            return None  # the step changed the parameters themselves, or nothing
+        return self.placement.publish(None if update is TILES_SENT else update, async_op)
 
-    def stage_tile(self, start: int, end: int, values: torch.Tensor | None = None) -> None:
+    def send_tile(self, start: int, end: int, values: torch.Tensor | None = None) -> None:
         """Offload: start copying updated master elements ``[start, end)`` (``values``, or read
-        from ``master``) to where the parameters live."""
-        tile = self.master.detach()[start:end] if values is None else values
-        if self.stage == 3:
-            self.tier.write_(tile.to(self.dtype), start, non_blocking=True)
-        else:
-            if self._staging is None:
-                self._staging = self._new_shard(self.dtype)
-            self._staging[start:end].copy_(tile, non_blocking=True)
-        self._staged = True
+        from the master) to where the parameters live."""
+        self.master_weights.send_tile(start, end, values, self.placement)
 
     def publish_from(self, src: int) -> None:
         """While gathered: broadcast the full parameters from global rank ``src`` and make the
@@ -418,16 +365,13 @@ class FlatParamGroup:
         if self.gather_codec is not None:
             self.gather_codec.forget(permanent_too=True)
         start, end = self.layout.shard_range(self.shard_index)
-        if self.tier is not None:
-            self.tier.write_(self.flat_param[start:end])
-        if self.swapped is not None:
-            self.swapped.write_master(self.flat_param[start:end].float())
-        elif self.master is not None and not self.master_aliases_params:
-            self.master.data.copy_(self.flat_param[start:end].float())
+        self.placement.write_shard(self.flat_param[start:end])
+        if self.master_weights is not None:
+            self.master_weights.set_values(self.flat_param[start:end].float())
 
-    def drop_staging(self) -> None:
+    def drop_staged(self) -> None:
         """Offload: free the device copy of the updated shard once it has been gathered."""
-        self._staging = None
+        self.placement.drop_staged()
 
     def zero_grad(self) -> None:
         if self.grads is not None:
@@ -442,9 +386,7 @@ class FlatParamGroup:
 
     def master_values(self) -> torch.Tensor:
         """This rank's fp32 master shard (read from its swap file under NVMe offload)."""
-        if self.swapped is not None:
-            return self.swapped.read_master()
-        return self.master.detach()
+        return self.master_weights.values()
 
     def full_master(self) -> torch.Tensor:
         """The whole fp32 master buffer, gathered across the shard group (collective)."""
@@ -454,10 +396,6 @@ class FlatParamGroup:
         shard = self.master_values().to(self.device, torch.float32)
         self.comm.all_gather(full, shard, self.shard_group)
         return full
-
-    def _host_empty(self, numel: int) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.empty(numel, dtype=torch.float32, device=self.host, pin_memory=pin)
 
     def _new_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.reduce_dtype

@@ -1,9 +1,13 @@
 """How a group takes in the gradients autograd produces, until its bucket is reduced.
 
-Stages 0-1 (`FlatGrads`) keep full gradients in one flat buffer whose views are the parameters'
-``.grad``: autograd accumulates into them across micro-batches, and the reduction reads the
-buffer. Stages 2-3 (`BucketGrads`) copy each gradient into the bucket's reduction input as it
-arrives and drop ``.grad``: nothing full-size outlives the bucket's reduction.
+Stages 0-1 (`FlatGrads`, `ScatteredFlatGrads`) keep full gradients in one flat buffer whose views
+are the parameters' ``.grad``: autograd accumulates into them across micro-batches, and the
+reduction reads the buffer. Stages 2-3 (`BucketGrads`) copy each gradient into the bucket's
+reduction input as it arrives and drop ``.grad``: nothing full-size outlives the bucket's
+reduction.
+
+Once the reduction has finished, `settle` says what its result is, in one of three forms the
+master weights take differently (`hf_zero.sharding.master`).
 """
 
 from __future__ import annotations
@@ -12,9 +16,21 @@ import torch
 
 from hf_zero.sharding.layout import FlatLayout
 
+SUM = "sum"
+"""The reduced sum in its own buffer: averaged in place (fp32) or at the step (16-bit)."""
+OWN_REGION = "own region"
+"""Stage 1: the sum kept in ``flat_grad``'s own region, which a later synced backward before the
+step adds to: averaged only when the step begins."""
+WHOLE_16BIT = "whole 16-bit"
+"""Stage 0, 16-bit: the all-reduced ``flat_grad`` itself."""
+
 
 class FlatGrads:
-    """Stages 0-1: ``flat_grad`` holds the window's gradients; ``p.grad`` are views of it."""
+    """Stage 0: ``flat_grad`` holds the window's gradients (``p.grad`` are views of it) and is
+    all-reduced whole."""
+
+    accumulates = False
+    """The reductions of a window replace each other (each is the whole window's sum)."""
 
     def __init__(self, layout: FlatLayout, params: list, dtype: torch.dtype, device) -> None:
         self.layout, self.params = layout, params
@@ -35,6 +51,12 @@ class FlatGrads:
         g = self.flat_grad
         return g if g.dtype == reduce_dtype else g.to(reduce_dtype)
 
+    def settle(self, reduced: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """The finished reduction's result and its form."""
+        if reduced is self.flat_grad and reduced.dtype != torch.float32:
+            return reduced, WHOLE_16BIT
+        return reduced, SUM
+
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
         self.point_grads()
@@ -44,10 +66,38 @@ class FlatGrads:
             p.grad = view
 
 
+class ScatteredFlatGrads(FlatGrads):
+    """Stage 1: ``flat_grad`` is reduce-scattered, and this rank keeps the sum in its own region
+    of it (``shard``: that region's range) rather than in a second gradient buffer."""
+
+    def __init__(self, layout, params, dtype, device, shard: tuple[int, int]) -> None:
+        super().__init__(layout, params, dtype, device)
+        self.shard = shard
+        self._input: torch.Tensor | None = None
+
+    def reduction_input(self, reduce_dtype: torch.dtype, ready: list[bool]) -> torch.Tensor:
+        self._input = super().reduction_input(reduce_dtype, ready)
+        return self._input
+
+    def settle(self, reduced: torch.Tensor) -> tuple[torch.Tensor, str]:
+        reduced_input, self._input = self._input, None
+        if reduced_input is not self.flat_grad:
+            return reduced, SUM  # a converted copy was reduced
+        # The other regions are zeroed: a later synced backward (DDP-style accumulation) adds
+        # to them and to this region, and the next reduction is again the exact total.
+        start, end = self.shard
+        region = self.flat_grad[start:end].copy_(reduced)
+        self.flat_grad[:start].zero_()
+        self.flat_grad[end:].zero_()
+        return region, OWN_REGION
+
+
 class BucketGrads:
     """Stages 2-3: each gradient is copied into the bucket's reduction input, then dropped."""
 
     flat_grad = None
+    accumulates = True
+    """Each backward's reduction adds to the window's sum so far."""
 
     def __init__(self, layout: FlatLayout, params: list, reduce_dtype: torch.dtype, device):
         self.layout, self.params = layout, params
@@ -88,6 +138,9 @@ class BucketGrads:
         self._zero_unfilled(full, ready)
         return full
 
+    def settle(self, reduced: torch.Tensor) -> tuple[torch.Tensor, str]:
+        return reduced, SUM
+
     def _zero_unfilled(self, flat: torch.Tensor, ready: list[bool]) -> None:
         """Zero what no gradient was copied into this backward: padding and unused slots."""
         end = 0
@@ -100,3 +153,16 @@ class BucketGrads:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+
+def grad_intake(
+    stage: int, layout: FlatLayout, params: list, dtype, reduce_dtype, shard: tuple[int, int]
+) -> FlatGrads | BucketGrads:
+    """The intake for a group of ``stage``: ``dtype`` is the parameters', ``reduce_dtype`` the
+    reduction's, ``shard`` this rank's range of the buffer."""
+    device = params[0].device
+    if stage == 0:
+        return FlatGrads(layout, params, dtype, device)
+    if stage == 1:
+        return ScatteredFlatGrads(layout, params, dtype, device, shard)
+    return BucketGrads(layout, params, reduce_dtype, device)

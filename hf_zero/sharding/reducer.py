@@ -43,11 +43,11 @@ class GradientReducer:
         # count against max_inflight_numel, their reduced shards are views of one slab per
         # backward and (dtype, device), sized here once.
         sliced = [g for g in groups if stage >= 2 and g.reduce_codec.takes_output]
-        # NVMe-offloaded groups take no slab: each reduced shard is written out as soon as its
-        # reduction is waited for (`FlatParamGroup.land_reduction`), not kept to the end.
-        swapped = [g for g in sliced if g.swapped is not None]
-        sliced = [g for g in sliced if g.swapped is None]
-        self._bounded = {id(g) for g in sliced + swapped}
+        # Groups whose master writes each reduced shard out as soon as its reduction is waited
+        # for (NVMe: `FlatParamGroup.land_reduction`) take no slab: nothing is kept to the end.
+        early = [g for g in sliced if g.master_weights.lands_early]
+        sliced = [g for g in sliced if not g.master_weights.lands_early]
+        self._bounded = {id(g) for g in sliced + early}
         self._sliced = {id(g) for g in sliced}
         self._slab_numel: dict[tuple, int] = {}
         for g in sliced:

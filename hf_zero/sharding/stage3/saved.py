@@ -1,10 +1,10 @@
 """Saved-tensor hooks that keep autograd from holding released stage-3 weights.
 
 ``F.linear`` saves ``weight.t()`` for backward: a view of the unit's gathered flat buffer, not the
-parameter. Held by the autograd graph, such a view kept the whole buffer alive after the unit was
-released, so between forward and backward a stage-3 rank held every unit's full parameters (the
-whole model: 730 MB of 1.4 GB live at 182M fp32 parameters on 2 ranks, measured with
-``malloc_trim``) and sharding the parameters saved nothing at the peak.
+parameter. Held by the autograd graph, such a view would keep the whole buffer alive after the
+unit is released, so between forward and backward a rank would hold every unit's full parameters
+(at 182M fp32 parameters on 2 ranks: 730 MB of the 1.4 GB live) and sharding the parameters
+would save nothing at the peak.
 
 While the root module's forward runs, `SavedWeightViews` saves such a view as its place in the
 group (offset, sizes, strides) instead, and rebuilds it in backward from the buffer the unit's

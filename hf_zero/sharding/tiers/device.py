@@ -13,6 +13,7 @@ class Tier:
 
     kind = "params"  # `memory_report()` kind of the bytes held
     permanent = False  # True: the shard never changes (MixZ++), gathers may keep copies of it
+    in_device_memory = False  # True: ``data`` is the shard on the device (fp32 masters alias it)
 
     def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
         raise NotImplementedError
@@ -39,6 +40,8 @@ class Tier:
 class DeviceTier(Tier):
     """The shard in device memory (plain ZeRO-3): gathers read it in place."""
 
+    in_device_memory = True
+
     def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
         self.data = values.to(device, copy=True)
 
@@ -60,6 +63,7 @@ class HostTier(DeviceTier):
     """
 
     kind = "host_params"
+    in_device_memory = False
 
     def __init__(self, values: torch.Tensor, device: torch.device, context=None) -> None:
         self.device = device

@@ -1,0 +1,253 @@
+"""A trainable group's fp32 master weights: where they live, how a reduced gradient reaches them,
+and how stepped values leave them for the parameters.
+
+=================  ================================================  ==========================
+kind               this rank's master shard                          chosen when
+=================  ================================================  ==========================
+`AliasedMaster`    is the parameters' own fp32 values, stepped in    fp32, no offload, the
+                   place (no copy)                                   parameters on the device
+`DeviceMaster`     an fp32 copy on the device                        16-bit parameters, or fp32
+                                                                     ones in the host tier
+`HostMaster`       an fp32 copy in host memory (ZeRO-Offload)        ``offload_optimizer: cpu``
+`SwappedMaster`    in swap files, with its gradient and optimizer    ``offload_optimizer: nvme``
+                   state (ZeRO-Infinity)
+=================  ================================================  ==========================
+
+The group picks one at construction (`master_weights`) and never asks which it has. A master
+hands the parameters' side (`hf_zero.sharding.placement`) either a shard of updated values, or
+nothing (`updated` returns None: the step already changed the parameters), or
+`TILES_SENT` (offload: the step sent each finished tile as it went).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.sharding.grad_intake import OWN_REGION, WHOLE_16BIT
+from hf_zero.sharding.grad_store import GradStore, start_copy
+from hf_zero.sharding.placement import Placement
+from hf_zero.storage.swap import SwapSpace
+
+TILES_SENT = "tiles sent"
+"""`updated`: the step already sent its values, tile by tile, to the placement."""
+
+
+class MasterWeights:
+    """An fp32 master shard on the device; the base of every kind."""
+
+    location = "device"
+    """Where the master, its gradient and the optimizer state live: device, host or nvme."""
+    swapped = None
+    """The `SwappedState` (swap files) under ``offload_optimizer: nvme``; None otherwise."""
+    lands_early = False
+    """Each reduced shard is written out as soon as its reduction is waited for (`land`)."""
+
+    def __init__(self, param: torch.Tensor, world: int) -> None:
+        self.param = torch.nn.Parameter(param, requires_grad=False)
+        """What the user's optimizer steps (empty under NVMe: the values are in files)."""
+        self.grads = GradStore(self.param, world)
+        """The reduced gradient from its reduction to the step."""
+
+    # --- the gradient -------------------------------------------------------------------------
+    def finish_reduction(self, codec, intake, received: bool) -> None:
+        """Wait for the bucket's reduction and take its sum (``received``: some rank had a
+        gradient for the bucket; otherwise the optimizer skips it rather than step with 0)."""
+        reduced, form = intake.settle(codec.finish())
+        if received:
+            self.take_gradient(reduced, intake.accumulates, form)
+
+    def take_gradient(self, reduced: torch.Tensor, accumulate: bool, form: str) -> None:
+        if form == WHOLE_16BIT:
+            # Averaged in place, as DDP does, so a later synced backward before the step adds
+            # to an average and the next all-reduce is again the exact total.
+            self.grads.fold(reduced.div_(self.grads.world), False, averaged=True)
+        else:
+            self.grads.fold(reduced, accumulate, average_now=form != OWN_REGION)
+
+    def land(self, codec) -> None:
+        """Write a finished reduction out before the end of backward (NVMe only)."""
+
+    # --- the values ---------------------------------------------------------------------------
+    def values(self) -> torch.Tensor:
+        return self.param.detach()
+
+    def set_values(self, values: torch.Tensor) -> None:
+        self.param.data.copy_(values)
+
+    def send_tile(self, start: int, end: int, values, placement: Placement) -> None:
+        raise RuntimeError(f"hf_zero: a {type(self).__name__} sends no tiles (offload only)")
+
+    # --- the optimizer's state ----------------------------------------------------------------
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take state the optimizer already holds for ``param`` (kept there, in memory)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state.get(self.param, {})
+
+    def state_spec(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.dtype, tuple]]:
+        """Dtype and shape of each state tensor, without reading them."""
+        return _tensor_spec(optimizer.state.get(self.param, {}).items())
+
+    def load(self, master: torch.Tensor, state: dict, optimizer, placement: Placement) -> None:
+        """Replace the master shard and its optimizer state (a loaded checkpoint); the caller
+        then brings the parameters up to date (`FlatParamGroup.gather_params`)."""
+        self.param.copy_(master)
+        state = {k: v.to(self.param.device) if torch.is_tensor(v) else v for k, v in state.items()}
+        if state:
+            optimizer.state[self.param] = state
+
+    def updated(self, placement: Placement) -> torch.Tensor | str | None:
+        """After the step: what the parameters must take on (see the module docstring)."""
+        return self.param.detach()
+
+    def held_bytes(self, grads: int, flat_grad) -> dict[str, int]:
+        """``memory_report()`` kinds: ``grads`` (the group's own gradient bytes) plus what the
+        master holds."""
+        master = self.param.numel() * self.param.element_size()
+        return {"grads": grads + self.grads.held_bytes(flat_grad), "master_weights": master}
+
+
+class AliasedMaster(MasterWeights):
+    """fp32 without offload: the master is the parameters' own values (``view``), no copy.
+    ``complete``: stepping it updates every parameter (stage 0's whole buffer, a stage-3
+    shard); otherwise (stages 1-2) the other ranks' regions are all-gathered after the step."""
+
+    def __init__(self, view: torch.Tensor, world: int, complete: bool) -> None:
+        super().__init__(view, world)
+        self.complete = complete
+
+    def set_values(self, values: torch.Tensor) -> None:
+        pass  # the caller wrote the parameters, which are the master
+
+    def updated(self, placement: Placement) -> torch.Tensor | None:
+        return None if self.complete else self.param.detach()
+
+    def held_bytes(self, grads: int, flat_grad) -> dict[str, int]:
+        return {"grads": grads + self.grads.held_bytes(flat_grad), "master_weights": 0}
+
+
+class DeviceMaster(MasterWeights):
+    """An fp32 copy of the shard on the device (mixed precision)."""
+
+
+class HostMaster(MasterWeights):
+    """ZeRO-Offload: master, gradient and optimizer state in host memory (pinned on CUDA).
+    Reduced gradients are copied device-to-host; updated tiles go back host-to-device as the
+    step finishes them."""
+
+    location = "host"
+
+    def __init__(self, values: torch.Tensor, world: int, pin: bool) -> None:
+        host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=pin)
+        super().__init__(host.copy_(values), world)
+        self.pin = pin
+        self._sent = False
+
+    def take_gradient(self, reduced: torch.Tensor, accumulate: bool, form: str) -> None:
+        host = torch.empty(reduced.numel(), dtype=torch.float32, pin_memory=self.pin)
+        self.grads.fold_host(host, start_copy(host, reduced), accumulate)
+
+    def send_tile(self, start: int, end: int, values, placement: Placement) -> None:
+        """Start copying updated elements ``[start, end)`` (``values``, or read from the
+        master) to where the parameters live."""
+        placement.receive_tile(start, self.values()[start:end] if values is None else values)
+        self._sent = True
+
+    def updated(self, placement: Placement) -> str:
+        sent, self._sent = self._sent, False
+        if not sent:  # an optimizer that steps untiled: send the whole shard now
+            self.send_tile(0, self.param.numel(), None, placement)
+            self._sent = False
+        return TILES_SENT
+
+    def held_bytes(self, grads: int, flat_grad) -> dict[str, int]:
+        master = self.param.numel() * self.param.element_size()
+        host_grads = self.grads.held_bytes(flat_grad)
+        return {"grads": grads, "host_grads": host_grads, "host_master_weights": master}
+
+
+class SwappedMaster(HostMaster):
+    """ZeRO-Infinity: master, gradient and optimizer state in swap files (`SwappedState`);
+    the step streams them tile by tile. Each reduction is written out as soon as it lands."""
+
+    location = "nvme"
+    lands_early = True
+
+    def __init__(self, space: SwapSpace, values: torch.Tensor, world: int) -> None:
+        from hf_zero.sharding.swapped_state import SwappedState
+
+        self.swapped = SwappedState(space, values, world)
+        self.param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.grads = self.swapped.grads
+        self._sent = self._landed = False
+
+    def land(self, codec) -> None:
+        # Only at the end of backward does every rank know whether any had a gradient:
+        # `finish_reduction` commits what is written here.
+        if self._landed:
+            return
+        reduced = codec.finish()
+        host = self.swapped.space.buffer(reduced.numel(), torch.float32)  # written out as is
+        self.grads.fold_host(host, start_copy(host, reduced), accumulate=True)
+        self._landed = True
+
+    def finish_reduction(self, codec, intake, received: bool) -> None:
+        self.land(codec)
+        self.grads.commit(received)
+        self._landed = False
+
+    def values(self) -> torch.Tensor:
+        return self.swapped.read_master()
+
+    def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.param in optimizer.state:
+            self.swapped.write_state(optimizer.state.pop(self.param))  # on disk only
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.swapped.read_state()
+
+    def state_spec(self, optimizer: torch.optim.Optimizer) -> dict[str, tuple[torch.dtype, tuple]]:
+        swapped = self.swapped
+        spec = {k: (swapped.dtypes[k], (swapped.numel,)) for k in swapped.state_keys}
+        return {**spec, **_tensor_spec(swapped.scalars.items())}
+
+    def load(self, master: torch.Tensor, state: dict, optimizer, placement: Placement) -> None:
+        self.swapped.write_master(master)
+        self.swapped.write_state(state)
+        self.send_tile(0, master.numel(), master, placement)  # the parameters follow
+
+    def set_values(self, values: torch.Tensor) -> None:
+        self.swapped.write_master(values.float())
+
+    def updated(self, placement: Placement) -> str | None:
+        sent, self._sent = self._sent, False
+        return TILES_SENT if sent else None  # not stepped (no gradient anywhere): unchanged
+
+    def held_bytes(self, grads: int, flat_grad) -> dict[str, int]:
+        return {"grads": grads, **self.swapped.held_bytes()}
+
+
+def _tensor_spec(items) -> dict[str, tuple[torch.dtype, tuple]]:
+    return {k: (v.dtype, tuple(v.shape)) for k, v in items if torch.is_tensor(v)}
+
+
+def master_weights(
+    values: torch.Tensor,
+    placement: Placement,
+    fp32: bool,
+    world: int,
+    offload: str,
+    swap: SwapSpace | None,
+    pin: bool,
+) -> MasterWeights:
+    """The master for one trainable group, from its initial fp32 shard ``values``.
+    ``offload``: ``offload_optimizer`` (none, cpu, nvme)."""
+    if offload == "nvme":
+        return SwappedMaster(swap, values, world)
+    if offload == "cpu":
+        return HostMaster(values, world, pin)
+    alias = placement.master_view() if fp32 else None
+    if alias is not None:
+        view, complete = alias
+        return AliasedMaster(view, world, complete)
+    return DeviceMaster(values.clone(), world)
