@@ -14,7 +14,7 @@ _LAZY = {
     "ZeroPlugin": "hf_zero.integrations.accelerate",
     "ZeroTrainer": "hf_zero.integrations.trainer",
     "ZeroTrainerMixin": "hf_zero.integrations.trainer",
-    "ZeroTrainingArguments": "hf_zero.integrations.trainer",
+    "ZeroTrainingArguments": "hf_zero.integrations.trainer_arguments",
     "merged_state_dict": "hf_zero.integrations.peft",
     "save_merged": "hf_zero.integrations.peft",
     "load_for_inference": "hf_zero.integrations.reload",

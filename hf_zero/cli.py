@@ -19,7 +19,14 @@ import yaml
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from hf_zero.config import ZeroConfig
+    from hf_zero.config.settings import SETTINGS, flags_markdown
 
+    if args.flags:
+        print(flags_markdown(), end="")
+        return 0
+    if args.path is None:
+        print("error: hf-zero config needs a config file (or --flags)", file=sys.stderr)
+        return 2
     overrides = {}
     for item in args.set or []:
         key, _, value = item.partition("=")
@@ -29,7 +36,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
     except (ValueError, NotImplementedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+    # Each key a flag can set says which (the settings table, `hf_zero.config.settings`).
+    flag_of = {s.key: s.flag for s in SETTINGS}
+    for line in yaml.safe_dump(config.to_dict(), sort_keys=False).splitlines():
+        key = line.split(":", 1)[0]
+        print(f"{line}  # --{flag_of[key]}" if key in flag_of else line)
     return 0
 
 
@@ -309,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"hf_zero {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("config", help="validate a config file and print the resolved settings")
-    p.add_argument("path", help="hf_zero YAML/JSON or DeepSpeed JSON")
+    p.add_argument("path", nargs="?", help="hf_zero YAML/JSON or DeepSpeed JSON")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    p.add_argument("--flags", action="store_true", help="list the command-line flags instead")
     p.set_defaults(func=_cmd_config)
     p = sub.add_parser(
         "consolidate", help="sharded engine checkpoint -> Hugging Face safetensors (streamed)"

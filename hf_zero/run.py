@@ -4,12 +4,11 @@
     torchrun --nproc_per_node 2 -m hf_zero.run train.py ... --zero_stage 3
     accelerate launch --config_file c.yaml -m hf_zero.run train.py ... --zero_stage 3
 
-hf_zero's flags (``--zero_stage``, ``--zero_config``, ``--offload_optimizer``,
-``--zero_quantized_weights``, ``--zero_hpz_partition_size``, ``--zero_quantized_gradients``,
-``--zero_quantized_nontrainable_weights``, ``--tp_size``, ``--pp_size``, ``--pp_schedule``) are taken out of the argument list, so
-the script's own parser never sees them; they are validated before the script starts, and a
-mistake is one line on rank 0 (exit status 2). Then the script runs as ``__main__`` with these
-changes, and only these:
+hf_zero's flags (``--zero_<key>`` for each setting of `hf_zero.config.settings.SETTINGS`, such as
+``--zero_stage 3``, their older spellings, and ``--zero_config FILE``; ``hf-zero config --flags``
+lists them) are taken out of the argument list, so the script's own parser never sees them;
+they are validated before the script starts, and a mistake is one line on rank 0 (exit status 2).
+Then the script runs as ``__main__`` with these changes, and only these:
 
 * the names ``transformers.Trainer`` / ``transformers.trainer.Trainer`` point at `ZeroTrainer`
   (a subclass of the original): every Trainer the script builds - including subclasses it
@@ -40,48 +39,16 @@ import runpy
 import sys
 from typing import Any
 
-from hf_zero.config.sources import CLI_FLAGS
+from hf_zero.config.settings import CONFIG_FILE_FLAG, SETTINGS, merge_spellings, parse_bool
 from hf_zero.integrations.patching import activate, hf_zero_was_used
 from hf_zero.launch_errors import USAGE_STATUS, report, wait_for_rank_zero_report
 
-# --flag -> (ZeroConfig field, parser for its value)
-_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in _BOOL:
-        raise ValueError(f"expected true or false, got {text!r}")
-    return _BOOL[text.lower()]
-
-
-def _bool_or_format(text: str) -> bool | str:
-    """MixZ++: true/false, or a storage format ('int8', 'nf4', 'fp4')."""
-    return text.lower() if text.lower() in ("int8", "nf4", "fp4") else _bool(text)
-
-
-def _int_or_auto(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
-PARSERS = {
-    "stage": int,
-    "offload_optimizer": str,
-    "offload_param": str,
-    "nvme_path": str,
-    "quantized_weights": _bool,
-    "hpz_partition_size": _int_or_auto,
-    "quantized_gradients": _bool,
-    "quantized_nontrainable_weights": _bool_or_format,
-    "tp_size": int,
-    "pp_size": int,
-    "pp_schedule": str,
-}
-"""How each field's command-line text is read."""
 FLAGS: dict[str, tuple[str, Any]] = {
-    **{f"--{flag}": (field, PARSERS[field]) for flag, field in CLI_FLAGS.items()},
-    "--zero_config": ("", str),
+    **{f"--{name}": (s.key, s.parse) for s in SETTINGS for name in s.names},
+    f"--{CONFIG_FILE_FLAG}": ("", str),
 }
-BOOLEAN_FLAGS = {f for f, (_, kind) in FLAGS.items() if kind is _bool}
+"""--flag -> (config key, parser for its text), from `hf_zero.config.settings.SETTINGS`."""
+BOOLEAN_FLAGS = {f for f, (_, parse) in FLAGS.items() if parse is parse_bool}
 
 NOT_USED_STATUS = 3
 """Exit status when hf_zero flags were given but the script built no Trainer or Accelerator."""
@@ -92,7 +59,7 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
 
     A boolean flag given without a value means true. Raises ``ValueError`` naming a bad value.
     """
-    values: dict[str, Any] = {}
+    by_name: dict[str, Any] = {}
     config_file = None
     rest: list[str] = []
     i = 0
@@ -111,15 +78,18 @@ def split_flags(argv: list[str]) -> tuple[dict[str, Any], str | None, list[str]]
             text, i = argv[i + 1], i + 2
         else:
             raise ValueError(f"hf_zero run: {flag} needs a value")
-        name, parse = FLAGS[flag]
+        parse = FLAGS[flag][1]
         try:
             value = parse(text)
         except ValueError as error:
             raise ValueError(f"hf_zero run: {flag} {text!r}: {error}") from None
-        if flag == "--zero_config":
+        if flag == f"--{CONFIG_FILE_FLAG}":
             config_file = value
+        elif by_name.get(flag[2:], value) != value:
+            raise ValueError(f"hf_zero run: {flag} given twice ({by_name[flag[2:]]!r}, {value!r})")
         else:
-            values[name] = value
+            by_name[flag[2:]] = value
+    values, _ = merge_spellings(by_name)
     return values, config_file, rest
 
 
@@ -172,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
     if (values or config_file) and not hf_zero_was_used():
-        flag_of = {name: flag for flag, (name, _) in FLAGS.items()}
-        given = [f"{flag_of[name]} {value}" for name, value in values.items()]
+        flag_of = {s.key: s.flag for s in SETTINGS}
+        given = [f"--{flag_of[name]} {value}" for name, value in values.items()]
         given += [f"--zero_config {config_file}"] if config_file else []
         given = ", ".join(given)
         return fail(

@@ -6,7 +6,7 @@
 With no ``--model_name_or_path`` it trains the embedded tiny Llama on the embedded text, offline,
 in about a minute on two CPU processes. Any causal LM and any text dataset work the same way
 (``--model_name_or_path``, ``--dataset_name``/``--text_file``). Every Trainer flag applies, plus
-hf_zero's (``--zero_stage``, ``--zero_config``, ``--offload_optimizer``, ...). The adapter is
+hf_zero's (``--zero_stage``, ``--zero_config``, ``--zero_offload_optimizer``, ...). The adapter is
 saved in PEFT format, with ``base_model_name_or_path`` in adapter_config.json (the embedded
 base is saved to ``output_dir/base_model``) and ``hf_zero_training.json`` (how the base was
 quantized): ``hf_zero.load_for_inference(None, output_dir)`` rebuilds the trained model exactly;

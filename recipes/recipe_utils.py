@@ -42,7 +42,7 @@ def check_model_source(name: str | None) -> None:
 
 
 def check_pipeline_fits(pp_size: int, source: str | None, flag: str) -> None:
-    """Raise one clear ``ValueError`` when ``--pp_size`` exceeds the model's decoder layers
+    """Raise one clear ``ValueError`` when ``--zero_pp_size`` exceeds the model's decoder layers
     (every stage needs one), read from its config before anything is built."""
     if pp_size <= 1:
         return
@@ -55,8 +55,8 @@ def check_pipeline_fits(pp_size: int, source: str | None, flag: str) -> None:
         what = f"{flag} {source!r}"
     if layers is not None and pp_size > layers:
         raise ValueError(
-            f"--pp_size {pp_size}: {what} has {layers} decoder layer(s), and every pipeline "
-            f"stage needs at least one (--pp_size 1 to {layers})"
+            f"--zero_pp_size {pp_size}: {what} has {layers} decoder layer(s), and every pipeline "
+            f"stage needs at least one (--zero_pp_size 1 to {layers})"
         )
 
 

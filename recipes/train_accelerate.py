@@ -21,14 +21,13 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from hf_zero import ZeroAccelerator, ZeroPlugin
+from hf_zero.config.settings import add_flags, merge_spellings
 from hf_zero.launch_errors import parse_or_exit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--zero_stage", type=int, default=None)
-    parser.add_argument("--zero_config", default=None)
-    parser.add_argument("--offload_optimizer", choices=["none", "cpu"], default=None)
+    add_flags(parser, ("stage", "offload_optimizer"))  # --zero_stage, --zero_config, ...
     parser.add_argument("--model_name_or_path", default=None)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch_size", type=int, default=8)
@@ -45,12 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_or_exit(parse_args, argv)
     parse_or_exit(check_model_source, args.model_name_or_path)
-    plugin = parse_or_exit(
-        ZeroPlugin,
-        args.zero_config,
-        stage=args.zero_stage,
-        offload_optimizer=args.offload_optimizer,
-    )
+    plugin = parse_or_exit(ZeroPlugin, args.zero_config, **merge_spellings(vars(args))[0])
     accelerator = ZeroAccelerator(
         zero_plugin=plugin, gradient_accumulation_steps=args.gradient_accumulation_steps
     )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import hf_zero
 from hf_zero.config import AUTO
+from hf_zero.config.settings import add_flags, merge_spellings
 from hf_zero.config.sources import explicit_values, resolve_sources
 from hf_zero.launch_errors import parse_or_exit
 from hf_zero.tiny import tiny_llama, token_batches
@@ -28,12 +29,8 @@ logger = logging.getLogger("train_tiny")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--zero_stage", type=int, default=None, help="0, 1 or 2 (default: 2)")
-    parser.add_argument("--zero_config", default=None, help="hf_zero YAML or DeepSpeed JSON")
+    add_flags(parser, ("stage", "offload_optimizer"))  # --zero_stage (default 2), ...
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None)
-    parser.add_argument(
-        "--offload_optimizer", choices=["none", "cpu"], default=None, help="ZeRO-Offload"
-    )
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
@@ -46,21 +43,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log_every", type=int, default=25)
     parser.add_argument("--output_dir", default=None, help="save the trained model here")
     args = parser.parse_args(argv)
-    if args.zero_stage is None and args.zero_config is None:
-        args.zero_stage = 2
+    args.zero, args.given_as = merge_spellings(vars(args))
+    if "stage" not in args.zero and args.zero_config is None:
+        args.zero["stage"] = 2
     return args
 
 
 def main(argv=None) -> float:
     args = parse_or_exit(parse_args, argv)
     flags = {
-        "stage": args.zero_stage,
+        **args.zero,
         "precision": args.precision,
-        "offload_optimizer": args.offload_optimizer,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "gradient_clipping": args.max_grad_norm,
     }
-    names = {"stage": "zero_stage", "gradient_clipping": "max_grad_norm"}
+    names = {**args.given_as, "gradient_clipping": "max_grad_norm"}
     config = parse_or_exit(  # mistakes: one line, before any process-group work
         resolve_sources, flags, args.zero_config, flag_names={k: names.get(k, k) for k in flags}
     )

@@ -1,5 +1,6 @@
 """ZeroConfig: hf_zero files, DeepSpeed files (the Hugging Face docs' examples), errors."""
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -400,3 +401,56 @@ def test_shipped_configs_load_without_warnings(path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ZeroConfig.load(path)
+
+
+# --- the settings table and the places made from it -------------------------------------------
+
+
+def test_every_place_that_takes_flags_is_made_from_the_settings_table(tmp_path):
+    import argparse
+    import dataclasses
+    import sys
+
+    from hf_zero import ZeroTrainingArguments
+    from hf_zero.cli import main as cli_main
+    from hf_zero.config.settings import CONFIG_FILE_FLAG, SETTINGS, flags_markdown
+    from hf_zero.run import FLAGS
+
+    names = {CONFIG_FILE_FLAG, *(n for s in SETTINGS for n in s.names)}
+    assert {s.flag for s in SETTINGS} == {f"zero_{s.key}" for s in SETTINGS}  # the naming rule
+    fields = {f.name: f for f in dataclasses.fields(ZeroTrainingArguments)}
+    assert names <= fields.keys()
+    for s in SETTINGS:
+        assert fields[s.flag].metadata["help"] == s.help
+    assert set(FLAGS) == {f"--{n}" for n in names}
+    doc = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert flags_markdown() in doc
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import train_tiny
+    finally:
+        sys.path.pop(0)
+    for spelling in ("--zero_offload_optimizer", "--offload_optimizer"):
+        args = train_tiny.parse_args([spelling, "cpu"])
+        assert args.zero == {"stage": 2, "offload_optimizer": "cpu"}, spelling
+    assert isinstance(train_tiny.parse_args([]), argparse.Namespace)
+    out = tmp_path / "flags.md"
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert cli_main(["config", "--flags"]) == 0
+    assert out.read_text() == flags_markdown()
+
+
+def test_two_spellings_of_one_setting_must_agree(tmp_path):
+    from hf_zero import ZeroTrainingArguments
+    from hf_zero.run import split_flags
+
+    same, _, rest = split_flags(["--tp_size", "1", "--zero_tp_size", "1", "--lr", "3"])
+    assert same == {"tp_size": 1} and rest == ["--lr", "3"]
+    with pytest.raises(ValueError, match=r"--zero_pp_size 2 and --pp_size 1 set 'pp_size' twice"):
+        split_flags(["--zero_pp_size", "2", "--pp_size", "1"])
+    args = ZeroTrainingArguments(output_dir=str(tmp_path), offload_optimizer="cpu", zero_stage=2)
+    assert args.zero.offload_optimizer == "cpu" and args.zero_setting_given("offload_optimizer")
+    with pytest.raises(ValueError, match=r"set 'offload_optimizer' twice"):
+        ZeroTrainingArguments(
+            output_dir=str(tmp_path), offload_optimizer="cpu", zero_offload_optimizer="nvme"
+        )

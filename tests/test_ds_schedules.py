@@ -311,7 +311,7 @@ def test_bad_scheduler_sections_name_the_key(section, match):
 
 
 def test_bad_sections_fail_when_the_trainer_arguments_are_built(tmp_path):
-    from hf_zero.integrations.trainer import ZeroTrainingArguments
+    from hf_zero.integrations.trainer_arguments import ZeroTrainingArguments
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"scheduler": {"type": "WarmupDecay", "params": {}}}))

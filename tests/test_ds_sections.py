@@ -42,7 +42,7 @@ TRAINER_STEPS = 8
 def _trainer_run(tmp: str) -> dict:
     from transformers import default_data_collator
 
-    from hf_zero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+    from hf_zero import ZeroTrainer, ZeroTrainingArguments
 
     records = []
     handler = logging.Handler()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from hf_zero.integrations.trainer import ZeroTrainingArguments
+from hf_zero.integrations.trainer_arguments import ZeroTrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]

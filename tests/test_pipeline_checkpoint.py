@@ -185,7 +185,7 @@ def _eval_after_load(path: str) -> float:
 def _trainer_evaluate(tmp: str) -> dict:
     from transformers import default_data_collator
 
-    from hf_zero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+    from hf_zero import ZeroTrainer, ZeroTrainingArguments
 
     args = ZeroTrainingArguments(
         output_dir=tmp, pp_size=2, zero_stage=1, max_steps=2, per_device_train_batch_size=2,

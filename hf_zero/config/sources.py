@@ -9,25 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_zero.config.settings import SETTINGS
 from hf_zero.config.zero_config import ZeroConfig, check_keys, read_mapping, values_of
 
 ENV_VAR = "HF_ZERO_CONFIG"
-
-CLI_FLAGS = {
-    "zero_stage": "stage",
-    "offload_optimizer": "offload_optimizer",
-    "offload_param": "offload_param",
-    "nvme_path": "nvme_path",
-    "zero_quantized_weights": "quantized_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
-    "tp_size": "tp_size",
-    "pp_size": "pp_size",
-    "pp_schedule": "pp_schedule",
-}
-"""Command-line flag (without ``--``) -> ZeroConfig field: the Trainer arguments and
-``hf_zero.run`` share it; ``--zero_config FILE`` comes on top."""
 
 
 def explicit_values(source: Mapping | str | Path | None) -> dict[str, Any]:
@@ -46,13 +31,14 @@ def resolve_sources(
 ) -> ZeroConfig:
     """Merge settings with precedence command line > ``config_file`` > ``$HF_ZERO_CONFIG``.
 
-    ``cli`` maps field names to values (``None`` = not given). A command-line value that
+    ``cli`` maps field names to values (``None`` = not given); ``flag_names`` maps a field to
+    the flag it was given as (for messages; default: the canonical flags). A command-line value that
     contradicts a value the ``--zero_config`` file sets explicitly raises ``ValueError`` naming
     both; a file that overrides ``$HF_ZERO_CONFIG`` only warns. All checks run before any
     process-group work.
     """
     env = os.environ if env is None else env
-    flag_names = flag_names or {field: flag for flag, field in CLI_FLAGS.items()}
+    flag_names = flag_names or {s.key: s.flag for s in SETTINGS}
     env_file = env.get(ENV_VAR) or None
     from_env = explicit_values(env_file)
     from_file = explicit_values(config_file)

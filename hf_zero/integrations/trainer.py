@@ -1,11 +1,6 @@
-"""`ZeroTrainingArguments` and `ZeroTrainer`: hf_zero under the Hugging Face Trainer.
-
-Settings, by precedence: command-line flags > ``--zero_config`` (hf_zero YAML/JSON or a
-DeepSpeed JSON) > ``$HF_ZERO_CONFIG`` > defaults. A flag that contradicts the ``--zero_config``
-file is an error; so is a DeepSpeed value that contradicts the Trainer's own arguments (batch
-size, accumulation, clipping, precision), as in the DeepSpeed integration. ``"auto"`` values are
-filled from the Trainer's arguments. All of it is checked when the arguments are built, before
-any process group exists.
+"""`ZeroTrainer`: hf_zero under the Hugging Face Trainer (its arguments: `ZeroTrainingArguments`,
+`hf_zero.integrations.trainer_arguments`). The Trainer's own loop, checkpoints and logs stay
+as they are; its Accelerator is `ZeroAccelerator`, which builds the engine.
 """
 
 from __future__ import annotations
@@ -13,26 +8,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
 
 import torch
 import transformers.trainer as trainer_module
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from hf_zero.config.checks import AUTO
-from hf_zero.config.sources import CLI_FLAGS, ENV_VAR, explicit_values, resolve_sources
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
-from hf_zero.integrations.cpu import create_cpu_group, ensure_cpu_args
+from hf_zero.integrations.cpu import ensure_cpu_args
+from hf_zero.integrations.trainer_arguments import zero_config_for
 from hf_zero.integrations.trainer_checkpoints import record_saved_dtype, remove_debris, save_staged
 from hf_zero.optim.deepspeed_optimizer import (
     optimizer_spec,
-    resolve_params,
     trainer_values,
-    type_and_params,
 )
-from hf_zero.optim.deepspeed_schedules import SCHEDULERS, build_scheduler
+from hf_zero.optim.deepspeed_schedules import build_scheduler
 from hf_zero.sharding.stage3.partitioned_init import is_partitioned, load_partitioned
 from hf_zero.sharding.stage3.units import num_parameters
 
@@ -41,137 +33,6 @@ logger = logging.getLogger(__name__)
 ZERO_DIR = "zero"  # the engine's sharded checkpoint inside a Trainer checkpoint directory
 COMM_LOG_KEYS = ("comm_wire_MiB_per_step", "comm_paper_MiB_per_step")
 """Logged per step: bytes this rank sent (every purpose), ZeRO traffic's paper volume."""
-
-FLAGS = CLI_FLAGS  # --flag -> ZeroConfig field
-
-
-@dataclass
-class ZeroTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus hf_zero's flags. With no CUDA device ``use_cpu`` turns on."""
-
-    zero_stage: int | None = field(
-        default=None, metadata={"help": "ZeRO stage: 0, 1, 2 or 3 (default: from --zero_config)"}
-    )
-    zero_config: str | None = field(
-        default=None, metadata={"help": "hf_zero YAML/JSON or a DeepSpeed JSON config file"}
-    )
-    offload_optimizer: str | None = field(
-        default=None,
-        metadata={"help": "'cpu' or 'nvme' (stage 3): optimizer state and master weights there"},
-    )
-    offload_param: str | None = field(
-        default=None, metadata={"help": "'cpu' or 'nvme' (stage 3): parameter shards there"}
-    )
-    nvme_path: str | None = field(
-        default=None, metadata={"help": "directory for NVMe swap files (ZeRO-Infinity)"}
-    )
-    zero_quantized_weights: bool | None = field(
-        default=None, metadata={"help": "ZeRO++ qwZ: INT8 weight all-gather (stage 3)"}
-    )
-    zero_hpz_partition_size: int | None = field(
-        default=None, metadata={"help": "ZeRO++ hpZ: secondary partition size (stage 3)"}
-    )
-    zero_quantized_gradients: bool | None = field(
-        default=None, metadata={"help": "ZeRO++ qgZ: quantized gradient reduction"}
-    )
-    zero_quantized_nontrainable_weights: str | None = field(
-        default=None,
-        metadata={
-            "help": "MixZ++ (stage 3): frozen weights kept as quantized shards: true/int8 "
-            "(INT8 blocks), nf4 or fp4 (bitsandbytes 4-bit), false"
-        },
-    )
-    tp_size: int | None = field(default=None, metadata={"help": "tensor-parallel size (AutoTP)"})
-    pp_size: int | None = field(
-        default=None,
-        metadata={"help": "pipeline stages (--gradient_accumulation_steps micro-batches a step)"},
-    )
-    pp_schedule: str | None = field(
-        default=None, metadata={"help": "pipeline schedule: gpipe, 1f1b or interleaved_1f1b"}
-    )
-
-    def __post_init__(self) -> None:
-        # Checked first: bad settings fail before TrainingArguments touches any device.
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)} is not allowed: at least 1")
-        self.zero = self.resolve_zero_config()
-        if "WORLD_SIZE" in os.environ:  # launched: the process count is known now
-            self.zero.check_world(int(os.environ["WORLD_SIZE"]))
-        if not torch.cuda.is_available():
-            self.use_cpu = True
-            create_cpu_group(self.ddp_backend, self.ddp_timeout)  # honours --ddp_timeout
-        if self.zero.pp_size > 1:  # every micro-batch of a pipeline step the same size
-            self.dataloader_drop_last = True
-        super().__post_init__()
-
-    def zero_setting_given(self, key: str) -> bool:
-        """Whether ZeroConfig field ``key`` was set by a flag, ``--zero_config`` or
-        ``$HF_ZERO_CONFIG`` (recipes use it to pick their own defaults without overriding you)."""
-        if any(getattr(self, flag) is not None for flag, name in FLAGS.items() if name == key):
-            return True
-        env_file = os.environ.get(ENV_VAR) or None
-        return key in {**explicit_values(env_file), **explicit_values(self.zero_config)}
-
-    def resolve_zero_config(self) -> ZeroConfig:
-        """The effective `ZeroConfig`; raises ``ValueError`` on contradictions."""
-        cli = {name: getattr(self, flag) for flag, name in FLAGS.items()}
-        return zero_config_for(self, cli, self.zero_config)
-
-
-def zero_config_for(
-    args: TrainingArguments, cli: dict | None = None, zero_config: str | None = None
-) -> ZeroConfig:
-    """The `ZeroConfig` for a run with these Trainer arguments: ``cli`` values (field names) >
-    the ``zero_config`` file > ``$HF_ZERO_CONFIG``; ``"auto"`` filled from ``args``.
-
-    Raises ``ValueError`` when a file contradicts the Trainer's own batch size, accumulation,
-    clipping or precision (as the DeepSpeed integration does).
-    """
-    flag_names = {name: flag for flag, name in FLAGS.items()}
-    config = resolve_sources(cli or {}, zero_config, flag_names=flag_names)
-    env_file = os.environ.get(ENV_VAR) or None
-    explicit = {**explicit_values(env_file), **explicit_values(zero_config)}
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    if "comm_timeout" not in explicit and (cli or {}).get("comm_timeout") is None:
-        config.comm_timeout = args.ddp_timeout  # one timeout for every group of the run
-    trainer_values = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "gradient_clipping": args.max_grad_norm,
-        "precision": precision,
-    }
-    for key, ours in trainer_values.items():
-        theirs = explicit.get(key)
-        if key == "precision" and ours == "fp32":
-            continue  # no --bf16/--fp16 given: the zero config decides
-        if theirs not in (None, AUTO) and theirs != ours:
-            source = zero_config or env_file
-            raise ValueError(
-                f"hf_zero: '{key}' = {theirs!r} in {source} contradicts the "
-                f"Trainer's arguments ({key} = {ours!r}); set it to 'auto' or make them agree"
-            )
-    if explicit.get("precision") in (None, AUTO):
-        config.precision = AUTO  # filled from --bf16/--fp16 just below
-    config = config.resolve_auto(
-        micro_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_grad_norm=args.max_grad_norm,
-        precision=precision,
-        final=False,  # bucket sizes and thresholds follow the model in initialize()
-    )
-    _check_sections(config, args)
-    return config
-
-
-def _check_sections(config: ZeroConfig, args: TrainingArguments) -> None:
-    """Refuse an unknown optimizer/scheduler type or key now, not after the model is built."""
-    if config.optimizer is not None:
-        optimizer_spec(config.optimizer, trainer_values(args))
-    if config.scheduler is not None:
-        name, params = type_and_params("scheduler", config.scheduler, SCHEDULERS)
-        allowed = {*SCHEDULERS[name].DEFAULTS, *SCHEDULERS[name].REQUIRED}
-        resolve_params("scheduler", params, allowed, trainer_values(args, 1))
 
 
 class ZeroTrainerMixin:
