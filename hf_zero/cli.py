@@ -45,11 +45,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    import torch
 
     from hf_zero.checkpoint.consolidate import consolidate
+    from hf_zero.numerics.precision import DTYPES
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     try:
         files = consolidate(
             args.checkpoint,

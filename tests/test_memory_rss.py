@@ -27,10 +27,9 @@ read 1.154 there):
   raw reads 1.13x (stage 2) and 1.45-1.58x (stage 3) at 41M bf16.
 * transients, not resident: activations (10 MB at 32 tokens), stage 3's gathered units, the
   step's one-bucket fp32 gradient copy and AdamW's temporaries, the reduction buffers of
-  backward. They show in ``VmHWM`` (reported by the benchmark, not asserted): at 110M bf16 the
-  forward+backward peak was 1.3-1.7x the model states, dominated by backward's full-size
-  gradient buffers of stages 2-3, which then lived until the end of backward (since issue 16:
-  until their reduction is done, at most two buckets' worth in flight).
+  backward. They show in ``VmHWM`` (reported by the benchmark, not asserted): backward's
+  full-size gradient buffers of stages 2-3 live until their reduction is done, at most two
+  buckets' worth in flight.
 """
 
 import json

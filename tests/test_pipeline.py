@@ -1,4 +1,4 @@
-"""Pipeline parallelism, first part (issue 19): stages cut from a Hugging Face Llama, run by
+"""Pipeline parallelism: stages cut from a Hugging Face Llama, run by
 `torch.distributed.pipelining`'s schedules on gloo, against the unsplit model in the same run.
 
 The schedules average the micro-batch losses' gradients (``scale_grads``), so the reference is

@@ -1,4 +1,4 @@
-"""Pipeline checkpoints (issue 19): resume at the same layout bit for bit, load at another
+"""Pipeline checkpoints: resume at the same layout bit for bit, load at another
 ``pp_size`` / data-parallel size / ZeRO stage, refuse another ``tp_size`` clearly, survive a
 failed save, and consolidate to one ``model.safetensors``.
 

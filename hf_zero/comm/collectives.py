@@ -34,8 +34,8 @@ class Collectives:
     collective is a local copy and nothing is booked).
 
     On gloo (CPU) groups, reduce-scatter and all-gather run as direct point-to-point exchanges
-    (`hf_zero.comm.exchange`): the same bytes as a ring, and on gloo 1.5-3x faster than its own
-    reduce-scatter / all-gather and than the all-reduce earlier versions used in their place.
+    (`hf_zero.comm.exchange`): the same bytes as a ring, and on gloo 1.5-3x faster than gloo's own
+    reduce-scatter / all-gather, or an all-reduce in their place.
     No collective here writes into its input. ``native_collectives=True`` (config
     ``native_collectives: true``) calls the backend's own collectives everywhere; NCCL groups
     always do.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Precision name (the config's ``precision``) -> torch dtype."""
 
 
 def dtype_of(name: str | None, default: torch.dtype) -> torch.dtype:
