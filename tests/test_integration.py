@@ -48,36 +48,51 @@ def _losses(output_dir: Path) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-def _fresh_process_probe(code: str, output_dir: Path) -> torch.Tensor:
-    """Run ``code`` (defining ``model``) in a new interpreter; return its probe logits."""
+def _fresh_process_probes(codes: dict[str, str], output_dir: Path) -> dict[str, torch.Tensor]:
+    """Run each of ``codes`` (each defining ``model`` and ``tokenizer``) in one new interpreter
+    that never trained anything; return each one's probe logits."""
     script = (
-        "import torch\n"
-        "from recipe_utils import load_model_and_tokenizer, probe_logits\n"
-        f"{code}\n"
-        f"torch.save(probe_logits(model, tokenizer, 'cpu'), r'{output_dir}/fresh_probe.pt')\n"
+        "import torch\nfrom recipe_utils import load_model_and_tokenizer, probe_logits\nout = {}\n"
     )
+    for name, code in codes.items():
+        body = "\n".join(f"    {line}" for line in code.splitlines())
+        script += f"def _{name}():\n{body}\n    return probe_logits(model, tokenizer, 'cpu')\n"
+        script += f"out[{name!r}] = _{name}()\n"
+    script += f"torch.save(out, r'{output_dir}/fresh_probe.pt')\n"
     _run([sys.executable, "-c", script], timeout=120)
     return torch.load(output_dir / "fresh_probe.pt")
 
 
-def _adapter_probe(output_dir: Path) -> torch.Tensor:
-    """Probe logits of the adapter in ``output_dir`` on the original tiny base, in a new process."""
-    return _fresh_process_probe(
+def _fresh_process_probe(code: str, output_dir: Path) -> torch.Tensor:
+    return _fresh_process_probes({"model": code}, output_dir)["model"]
+
+
+def _adapter_code(output_dir: Path) -> str:
+    """The adapter in ``output_dir`` on the original tiny base."""
+    return (
         "from peft import PeftModel\n"
         "base, tokenizer = load_model_and_tokenizer(None, seed=42)\n"
-        f"model = PeftModel.from_pretrained(base, r'{output_dir}')",
-        output_dir,
+        f"model = PeftModel.from_pretrained(base, r'{output_dir}')"
     )
+
+
+def _saved_model_code(output_dir: Path) -> str:
+    """The full model saved in ``output_dir``."""
+    return (
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"model = AutoModelForCausalLM.from_pretrained(r'{output_dir}')\n"
+        f"tokenizer = AutoTokenizer.from_pretrained(r'{output_dir}')"
+    )
+
+
+def _adapter_probe(output_dir: Path) -> torch.Tensor:
+    """Probe logits of the adapter in ``output_dir`` on the original base, in a new process."""
+    return _fresh_process_probe(_adapter_code(output_dir), output_dir)
 
 
 def _saved_model_probe(output_dir: Path) -> torch.Tensor:
     """Probe logits of the full model saved in ``output_dir``, loaded in a new interpreter."""
-    return _fresh_process_probe(
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        f"model = AutoModelForCausalLM.from_pretrained(r'{output_dir}')\n"
-        f"tokenizer = AutoTokenizer.from_pretrained(r'{output_dir}')",
-        output_dir,
-    )
+    return _fresh_process_probe(_saved_model_code(output_dir), output_dir)
 
 
 def test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter(tmp_path):
@@ -109,16 +124,19 @@ def test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter(tmp_path):
     assert "grad_norm_pre_clip" in logged and "mem_MiB_quantized_params" in logged
     assert "MixZ++ INT8 frozen weights" in done.stdout + done.stderr
     assert (out / "adapter_model.safetensors").is_file()
-    fresh = _adapter_probe(out)
-    trained = torch.load(out / "probe_logits.pt")
-    base_only = _fresh_process_probe(
-        "model, tokenizer = load_model_and_tokenizer(None, seed=42)", out
+    probes = _fresh_process_probes(
+        {
+            "adapter": _adapter_code(out),
+            "base": "model, tokenizer = load_model_and_tokenizer(None, seed=42)",
+            "merged": _saved_model_code(merged),
+        },
+        out,
     )
-    error = ((fresh - trained).norm() / trained.norm()).item()
-    adapter_effect = ((base_only - trained).norm() / trained.norm()).item()
+    trained = torch.load(out / "probe_logits.pt")
+    error = ((probes["adapter"] - trained).norm() / trained.norm()).item()
+    adapter_effect = ((probes["base"] - trained).norm() / trained.norm()).item()
     assert error < 0.03 and error < 0.2 * adapter_effect, (error, adapter_effect)
-    merged_logits = _saved_model_probe(merged)
-    torch.testing.assert_close(merged_logits, trained, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(probes["merged"], trained, rtol=1e-4, atol=1e-4)
 
 
 def test_full_recipe_zero2_with_a_deepspeed_json(tmp_path):

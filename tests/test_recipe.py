@@ -37,7 +37,6 @@ def _loss(model, tokens):
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--zero_stage", "2"],
         ["--zero_stage", "3"],
         ["--zero_stage", "2", "--offload_optimizer", "cpu"],
         ["--zero_config", str(ROOT / "configs/zero/stage1.yaml")],
@@ -45,7 +44,6 @@ def _loss(model, tokens):
         ["--zero_config", str(ROOT / "configs/zero/ds_zero2.json")],
     ],
     ids=[
-        "stage2-flag",
         "stage3-flag",
         "stage2-offload",
         "stage1.yaml",

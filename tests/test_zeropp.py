@@ -276,13 +276,17 @@ def _converge(precision: str, steps: int) -> dict:
     return final
 
 
+def _converge_both(steps: int) -> dict:
+    return {precision: _converge(precision, steps) for precision in ("bf16", "fp16")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_200_steps_converge_within_2_percent_of_zero3(precision):
-    r = run_distributed(_converge, 4, args=(precision, 200))[0]
-    assert r["plain"] < 0.5 * r["plain_first"], r  # it did learn
-    assert abs(r["zero++"] - r["plain"]) <= 0.02 * r["plain"], r
-    assert r["plain_skipped"] == r["zero++_skipped"] == 0, r
+def test_200_steps_converge_within_2_percent_of_zero3():
+    """bf16 and fp16, in one group of 4 ranks (one start-up for both)."""
+    for precision, r in run_distributed(_converge_both, 4, args=(200,))[0].items():
+        assert r["plain"] < 0.5 * r["plain_first"], (precision, r)  # it did learn
+        assert abs(r["zero++"] - r["plain"]) <= 0.02 * r["plain"], (precision, r)
+        assert r["plain_skipped"] == r["zero++_skipped"] == 0, (precision, r)
 
 
 def _overflow_with_qgz() -> dict:

@@ -22,10 +22,10 @@ are taken from the model the Trainer saved in the same directory.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
-import struct
 import warnings
 from pathlib import Path
 
@@ -33,7 +33,7 @@ import torch
 
 from hf_zero.checkpoint.format import META, ShardReader, read_meta
 from hf_zero.checkpoint.pipeline_format import consolidate_pipeline, is_pipeline_checkpoint
-from hf_zero.storage.safetensors import SAFETENSORS_CODES, indexed_files
+from hf_zero.storage.safetensors import indexed_files, write_streamed
 
 TRAINER_ZERO_DIR = "zero"  # = hf_zero.integrations.trainer.ZERO_DIR (not imported: slow)
 PEFT_MARKERS = ("base_model.model.", ".lora_", ".base_layer.", "modules_to_save")
@@ -61,37 +61,6 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     ):
         return path, path.parent
     return path, None
-
-
-class StreamingSafetensorsWriter:
-    """Writes a safetensors file one tensor at a time, in the order of ``entries``."""
-
-    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-        header, offset = {}, 0
-        for name, dtype, shape in entries:
-            nbytes = torch.empty(0, dtype=dtype).element_size()
-            for dim in shape:
-                nbytes *= dim
-            header[name] = {
-                "dtype": SAFETENSORS_CODES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + nbytes],
-            }
-            offset += nbytes
-        header["__metadata__"] = {"format": "pt"}
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
-        self.file = open(path, "wb")  # noqa: SIM115  (closed in close())
-        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
-        self.expected = [name for name, _, _ in entries]
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        if name != self.expected.pop(0):
-            raise RuntimeError(f"tensor {name} written out of order")
-        self.file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-
-    def close(self) -> None:
-        self.file.close()
 
 
 def consolidate(
@@ -163,19 +132,24 @@ def consolidate(
     )
     written = []
     weight_map = {}
+
+    def read_one(i: int) -> dict[str, torch.Tensor]:
+        """Tensor ``i`` in the output dtype: read only when the writer reaches it."""
+        name = entries[i][0]
+        if i < len(params):
+            slot = params[i]
+            values = reader.read(slot["name"], "master", 0, slot["numel"])
+            values = values.view(tuple(slot["shape"]))
+        else:
+            values = _read_saved(saved_dir, extra[name][0], name)
+        return {name: values.to(dtype)}
+
     for file_name, indices in zip(names, files):
-        writer = StreamingSafetensorsWriter(output / file_name, [entries[i] for i in indices])
-        for i in indices:
-            if i < len(params):
-                slot = params[i]
-                values = reader.read(slot["name"], "master", 0, slot["numel"])
-                values = values.view(tuple(slot["shape"]))
-            else:
-                values = _read_saved(saved_dir, extra[entries[i][0]][0], entries[i][0])
-            writer.write(entries[i][0], values.to(dtype))
-            weight_map[entries[i][0]] = file_name
-            del values
-        writer.close()
+        pieces = [
+            ({entries[i][0]: entries[i][1:]}, functools.partial(read_one, i)) for i in indices
+        ]
+        write_streamed(pieces, output / file_name, metadata={"format": "pt"})
+        weight_map.update({entries[i][0]: file_name for i in indices})
         written.append(output / file_name)
     if len(files) > 1:
         index = {

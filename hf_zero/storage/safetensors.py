@@ -52,8 +52,12 @@ CHECKSUMS = True
 """Write checksums (switched off only by ``benchmarks/bench_checkpoint.py`` to measure them)."""
 
 
-def write_streamed(pieces: list[Piece], path: str | os.PathLike) -> None:
-    """Write ``pieces`` (each: its spec, and a function returning its tensors) to ``path``.
+def write_streamed(
+    pieces: list[Piece], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``pieces`` (each: its spec, and a function returning its tensors) to ``path``,
+    with ``metadata`` in the header's ``__metadata__`` (``{"format": "pt"}`` for files that
+    ``from_pretrained`` reads).
 
     The header is written first with placeholder checksums of fixed width, then rewritten in
     place once the data is written and the checksums known (same length, same offsets).
@@ -72,7 +76,7 @@ def write_streamed(pieces: list[Piece], path: str | os.PathLike) -> None:
         n: [0] * -(-(e["data_offsets"][1] - e["data_offsets"][0]) // CRC_BLOCK)
         for n, e in header.items()
     }
-    raw = _header_bytes(header, crcs if CHECKSUMS else None)
+    raw = _header_bytes(header, crcs if CHECKSUMS else None, metadata)
     with open(Path(path), "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
@@ -89,7 +93,7 @@ def write_streamed(pieces: list[Piece], path: str | os.PathLike) -> None:
                     crcs[name] = block_crcs(data)
             del tensors
         if CHECKSUMS:
-            final = _header_bytes(header, crcs)
+            final = _header_bytes(header, crcs, metadata)
             if len(final) != len(raw):
                 raise RuntimeError("hf_zero: the checksum header changed length while saving")
             f.seek(8)
@@ -104,11 +108,16 @@ def block_crcs(data) -> list[int]:
     return [zlib.crc32(view[i : i + CRC_BLOCK]) for i in range(0, len(view), CRC_BLOCK)]
 
 
-def _header_bytes(header: dict, crcs: dict[str, list[int]] | None) -> bytes:
+def _header_bytes(
+    header: dict, crcs: dict[str, list[int]] | None, metadata: dict[str, str] | None = None
+) -> bytes:
     """The JSON header, checksums as fixed-width hex (8 digits each), padded to 8 bytes."""
+    meta = dict(metadata or {})
     if crcs is not None:
         table = {name: "".join(f"{c:08x}" for c in values) for name, values in crcs.items()}
-        header = {"__metadata__": {CRC_KEY: json.dumps(table, separators=(",", ":"))}, **header}
+        meta[CRC_KEY] = json.dumps(table, separators=(",", ":"))
+    if meta:
+        header = {"__metadata__": meta, **header}
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors does
 
