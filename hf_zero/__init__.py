@@ -29,6 +29,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
     "Topology",
     "ZeroAccelerator",

@@ -137,3 +137,11 @@ def test_the_engines_share_one_declared_surface():
     assert {"full_state_dict", "memory_report", "comm_stats"} <= shared
     for cls in (ZeroEngine, PipelineEngine):
         assert issubclass(cls, Engine) and not cls.__abstractmethods__, cls
+
+
+def test_every_public_name_is_listed_by_dir_and_resolves():
+    """The lazily loaded names (the Hugging Face integrations) too, for tab completion."""
+    listed = dir(hf_zero)
+    for name in hf_zero.__all__:
+        assert name in listed, name
+        assert getattr(hf_zero, name) is not None, name

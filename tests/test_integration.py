@@ -49,18 +49,20 @@ def _losses(output_dir: Path) -> dict[int, float]:
 
 
 def _fresh_process_probes(codes: dict[str, str], output_dir: Path) -> dict[str, torch.Tensor]:
-    """Run each of ``codes`` (each defining ``model`` and ``tokenizer``) in one new interpreter
-    that never trained anything; return each one's probe logits."""
-    script = (
-        "import torch\nfrom recipe_utils import load_model_and_tokenizer, probe_logits\nout = {}\n"
-    )
+    """Run each of ``codes`` (each defining ``model`` and ``tokenizer``) here, in the test
+    process, which never trained anything (training ran in the launched processes), each in a
+    namespace of its own; return each one's probe logits."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        from recipe_utils import load_model_and_tokenizer, probe_logits
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    out = {}
     for name, code in codes.items():
-        body = "\n".join(f"    {line}" for line in code.splitlines())
-        script += f"def _{name}():\n{body}\n    return probe_logits(model, tokenizer, 'cpu')\n"
-        script += f"out[{name!r}] = _{name}()\n"
-    script += f"torch.save(out, r'{output_dir}/fresh_probe.pt')\n"
-    _run([sys.executable, "-c", script], timeout=120)
-    return torch.load(output_dir / "fresh_probe.pt")
+        scope = {"load_model_and_tokenizer": load_model_and_tokenizer, "torch": torch}
+        exec(code, scope)
+        out[name] = probe_logits(scope["model"], scope["tokenizer"], "cpu")
+    return out
 
 
 def _fresh_process_probe(code: str, output_dir: Path) -> torch.Tensor:

@@ -86,16 +86,25 @@ def test_recipe_mistakes_are_one_line_in_one_process(tmp_path, case, capsys, mon
     assert not (tmp_path / "out").exists()
 
 
-def test_pipeline_larger_than_the_model_is_one_line_before_the_model_is_built(tmp_path):
+def test_pipeline_larger_than_the_model_is_one_line_before_the_model_is_built(
+    tmp_path, capsys, monkeypatch
+):
+    """Checked while the arguments are parsed (in one process here: the launched cases above
+    show that such a line is printed once)."""
     from hf_zero.tiny import tiny_llama_config
 
+    monkeypatch.delenv("HF_ZERO_CONFIG", raising=False)
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    import finetune_full
+
     tiny_llama_config(num_hidden_layers=1).save_pretrained(tmp_path / "one-layer")
-    full = str(ROOT / "recipes/finetune_full.py")
-    args = ["--model_config", str(tmp_path / "one-layer"), "--pp_size", "2"]
-    done = _launch([full, "--output_dir", str(tmp_path / "out"), *args])
-    message = "--pp_size 2: --model_config '"
-    assert done.returncode != 0 and done.stderr.count(message) == 1, done.stderr[-4000:]
-    assert "has 1 decoder layer(s)" in done.stderr and 'full.py", line' not in done.stderr
+    args = ["--model_config", str(tmp_path / "one-layer"), "--zero_pp_size", "2"]
+    with pytest.raises(SystemExit) as stop:
+        finetune_full.main(["--output_dir", str(tmp_path / "out"), *args])
+    err = capsys.readouterr().err
+    message = "--zero_pp_size 2: --model_config '"
+    assert stop.value.code == 2 and err.count(message) == 1, err
+    assert "has 1 decoder layer(s)" in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
 
 
