@@ -138,13 +138,13 @@ class HostMaster(MasterWeights):
     location = "host"
 
     def __init__(self, values: torch.Tensor, world: int, pin: bool) -> None:
-        host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=pin)
+        host = torch.empty(values.numel(), dtype=torch.float32, device="cpu", pin_memory=pin)
         super().__init__(host.copy_(values), world)
         self.pin = pin
         self._sent = False
 
     def take_gradient(self, reduced: torch.Tensor, accumulate: bool, form: str) -> None:
-        host = torch.empty(reduced.numel(), dtype=torch.float32, pin_memory=self.pin)
+        host = torch.empty(reduced.numel(), dtype=torch.float32, device="cpu", pin_memory=self.pin)
         self.grads.fold_host(host, start_copy(host, reduced), accumulate)
 
     def send_tile(self, start: int, end: int, values, placement: Placement) -> None:
@@ -177,7 +177,8 @@ class SwappedMaster(HostMaster):
         from hf_zero.sharding.swapped_state import SwappedState
 
         self.swapped = SwappedState(space, values, world)
-        self.param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        empty = torch.empty(0, dtype=torch.float32, device="cpu")  # the bytes are in the files
+        self.param = torch.nn.Parameter(empty, requires_grad=False)
         self.grads = self.swapped.grads
         self._sent = self._landed = False
 
