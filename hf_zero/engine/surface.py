@@ -1,18 +1,17 @@
 """`Engine`: what every engine `initialize` returns can do, and what only one kind can.
 
-=====================================  ============  ===============  ============================
-call                                   `ZeroEngine`  `PipelineEngine`  notes
-=====================================  ============  ===============  ============================
-``train_batch(batch)``                 yes           yes              one optimizer step
-``eval_batch(batch)``                  yes           yes              the loss, no step
-``save_checkpoint`` / ``load_checkpoint``  yes       yes              atomic; resharded on load
-``full_state_dict`` / ``saved_state_dict``  yes      yes              whole weights on rank 0
-``memory_report()`` / ``comm_stats``   yes           yes
-``clip_grad_norm_`` / ``no_sync()``    yes           yes
-``engine(batch)``, ``backward``,       yes           raises           a pipeline runs forward,
-``step``, ``zero_grad``,                                              backward and the step
-``gathered_parameters``                                               together: ``train_batch``
-=====================================  ============  ===============  ============================
+=============================================  ==========  ==============  ======================
+call                                           ZeroEngine  PipelineEngine  notes
+=============================================  ==========  ==============  ======================
+``train_batch(batch)``                         yes         yes             one optimizer step
+``eval_batch(batch)``                          yes         yes             the loss, no step
+``save_checkpoint`` / ``load_checkpoint``      yes         yes             atomic; resharded
+``full_state_dict`` / ``saved_state_dict``     yes         yes             whole, on rank 0
+``memory_report()`` / ``comm_stats``           yes         yes
+``clip_grad_norm_`` / ``no_sync()``            yes         yes
+``engine(batch)``, ``backward``, ``step``,     yes         raises          a pipeline runs them
+``zero_grad``, ``gathered_parameters``                                     inside ``train_batch``
+=============================================  ==========  ==============  ======================
 
 ``batch`` is a mapping of the model's forward arguments (``input_ids``, ``attention_mask``,
 ``labels``) holding this data-parallel rank's samples; both engines cut it along the first
