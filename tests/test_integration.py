@@ -48,7 +48,7 @@ def _losses(output_dir: Path) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-def _fresh_process_probes(codes: dict[str, str], output_dir: Path) -> dict[str, torch.Tensor]:
+def _reload_probes(codes: dict[str, str]) -> dict[str, torch.Tensor]:
     """Run each of ``codes`` (each defining ``model`` and ``tokenizer``) here, in the test
     process, which never trained anything (training ran in the launched processes), each in a
     namespace of its own; return each one's probe logits."""
@@ -65,8 +65,8 @@ def _fresh_process_probes(codes: dict[str, str], output_dir: Path) -> dict[str, 
     return out
 
 
-def _fresh_process_probe(code: str, output_dir: Path) -> torch.Tensor:
-    return _fresh_process_probes({"model": code}, output_dir)["model"]
+def _reload_probe(code: str) -> torch.Tensor:
+    return _reload_probes({"model": code})["model"]
 
 
 def _adapter_code(output_dir: Path) -> str:
@@ -88,13 +88,13 @@ def _saved_model_code(output_dir: Path) -> str:
 
 
 def _adapter_probe(output_dir: Path) -> torch.Tensor:
-    """Probe logits of the adapter in ``output_dir`` on the original base, in a new process."""
-    return _fresh_process_probe(_adapter_code(output_dir), output_dir)
+    """Probe logits of the adapter in ``output_dir`` on the original base (`_reload_probes`)."""
+    return _reload_probe(_adapter_code(output_dir))
 
 
 def _saved_model_probe(output_dir: Path) -> torch.Tensor:
-    """Probe logits of the full model saved in ``output_dir``, loaded in a new interpreter."""
-    return _fresh_process_probe(_saved_model_code(output_dir), output_dir)
+    """Probe logits of the full model saved in ``output_dir``, loaded afresh (`_reload_probes`)."""
+    return _reload_probe(_saved_model_code(output_dir))
 
 
 def test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter(tmp_path):
@@ -126,13 +126,12 @@ def test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter(tmp_path):
     assert "grad_norm_pre_clip" in logged and "mem_MiB_quantized_params" in logged
     assert "MixZ++ INT8 frozen weights" in done.stdout + done.stderr
     assert (out / "adapter_model.safetensors").is_file()
-    probes = _fresh_process_probes(
+    probes = _reload_probes(
         {
             "adapter": _adapter_code(out),
             "base": "model, tokenizer = load_model_and_tokenizer(None, seed=42)",
             "merged": _saved_model_code(merged),
-        },
-        out,
+        }
     )
     trained = torch.load(out / "probe_logits.pt")
     error = ((probes["adapter"] - trained).norm() / trained.norm()).item()

@@ -107,6 +107,7 @@ SETTINGS: tuple[Setting, ...] = (
 
 CONFIG_FILE_FLAG = "zero_config"
 """``--zero_config FILE``: an hf_zero YAML/JSON or a DeepSpeed JSON."""
+CONFIG_FILE_HELP = "hf_zero YAML/JSON or a DeepSpeed JSON config file"
 
 FLAG_KEYS: dict[str, str] = {name: s.key for s in SETTINGS for name in s.names}
 """Every accepted flag name (without ``--``) -> the config key it sets."""
@@ -137,9 +138,7 @@ def merge_spellings(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, s
 def add_flags(parser, keys: tuple[str, ...] | None = None) -> None:
     """Add the settings ``keys`` (default: all) and ``--zero_config`` to an ``argparse``
     parser, canonical spelling and aliases alike; `merge_spellings` reads them back."""
-    parser.add_argument(
-        f"--{CONFIG_FILE_FLAG}", default=None, help="hf_zero YAML/JSON or DeepSpeed JSON"
-    )
+    parser.add_argument(f"--{CONFIG_FILE_FLAG}", default=None, help=CONFIG_FILE_HELP)
     for s in SETTINGS:
         if keys is None or s.key in keys:
             for name in s.names:

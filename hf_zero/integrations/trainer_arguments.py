@@ -19,7 +19,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_zero.config.checks import AUTO
-from hf_zero.config.settings import CONFIG_FILE_FLAG, SETTINGS, merge_spellings
+from hf_zero.config.settings import CONFIG_FILE_FLAG, CONFIG_FILE_HELP, SETTINGS, merge_spellings
 from hf_zero.config.sources import ENV_VAR, explicit_values, resolve_sources
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.integrations.cpu import create_cpu_group
@@ -36,12 +36,11 @@ SPELLINGS = [name for s in SETTINGS for name in s.names]
 
 
 def _fields() -> list[tuple[str, object, dataclasses.Field]]:
-    help_of = {CONFIG_FILE_FLAG: "hf_zero YAML/JSON or a DeepSpeed JSON config file"}
     out = [
         (
             CONFIG_FILE_FLAG,
             str | None,
-            dataclasses.field(default=None, metadata={"help": help_of[CONFIG_FILE_FLAG]}),
+            dataclasses.field(default=None, metadata={"help": CONFIG_FILE_HELP}),
         )
     ]
     for s in SETTINGS:
