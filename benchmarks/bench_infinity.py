@@ -103,7 +103,7 @@ def train_worker(args) -> dict:
     from transformers import LlamaForCausalLM
 
     import hf_zero
-    from hf_zero.memory import activation_bytes, shape_of, working_set_bytes
+    from hf_zero.memory import shape_of
     from hf_zero.tiny import tiny_llama_config
 
     offload_param, offload_optimizer = CONFIGS[args.worker]
@@ -145,48 +145,59 @@ def train_worker(args) -> dict:
         io.append({k: swap.stats[k] - before[k] for k in before} if swap else {})
         losses.append(loss.item())
     peak_steps = proc_status()
+    # The rest of a run's life: an evaluation forward, then the model saved (streamed).
+    with torch.no_grad():
+        engine(input_ids=x, labels=x)
+    save_dir = Path(args.nvme_path) / f"saved.{args.worker.replace(' ', '_').replace('/', '-')}"
+    save_start = time.perf_counter()
+    engine.save_pretrained(save_dir, is_main_process=rank == 0)
+    save_s = time.perf_counter() - save_start
+    whole_run = proc_status()
     report = engine.memory_report()
     largest_shard = max(g.layout.shard_numel for g in engine.groups)
-    prefetch = engine.config.prefetch_bucket_size
-    io_buffers = _io_buffer_bytes(engine)
     dist.barrier()
     engine.close()
     dist.destroy_process_group()
+    if rank == 0:
+        shutil.rmtree(save_dir, ignore_errors=True)
     return {
         "config": args.worker,
         "rank": rank,
         "params": shape.params,
         "base_rss": base["VmRSS"],
         "initialized_rss": initialized["VmRSS"],
-        "peak": max(initialized["VmHWM"], peak_steps["VmHWM"]),  # from process start
+        "build_peak": initialized["VmHWM"],
+        "peak": max(initialized["VmHWM"], whole_run["VmHWM"]),  # from process start
         "peak_steps": peak_steps["VmHWM"],
         "steps": steps,
         "optimizer_steps": opt_steps,
         "optimizer_io": io,
         "losses": losses,
+        "save_s": save_s,
         "memory_report": report,
-        "working_set": working_set_bytes(shape, 3, "fp32")
-        + 4 * prefetch
-        + activation_bytes(shape, args.seq_len, args.batch_size, "fp32")
-        + io_buffers,
-        "io_buffers": io_buffers,
+        "estimate": _estimate(shape, engine, args, offload_param, offload_optimizer),
         "largest_shard": largest_shard,
     }
 
 
-def _io_buffer_bytes(engine) -> int:
-    """The NVMe tiers' buffers at their fullest: the parameter read-ahead (``buffer_count``
-    units' shards) and the optimizer step's tile sets (master, gradient, two Adam moments)."""
-    from hf_zero.optim.streamed_step import DEFAULT_TILE
-    from hf_zero.sharding.tiers import NvmeTier
+def _estimate(shape, engine, args, offload_param: str, offload_optimizer: str) -> float:
+    """What `hf-zero estimate` prints for this configuration (per rank, from the process's
+    start): model states held in memory, stage 3's working set with the prefetch budget,
+    activations, and under NVMe the I/O buffers (`hf_zero.memory.infinity_bytes`)."""
+    from hf_zero.memory import activation_bytes, estimate, infinity_bytes, working_set_bytes
 
-    groups = engine.groups + engine.frozen_groups
-    shards = [g.tier.numel * g.tier.itemsize for g in groups if isinstance(g.tier, NvmeTier)]
-    swapped = [g.swapped.numel for g in engine.groups if g.swapped is not None]
-    config = engine.config
-    total = config.offload_param_buffer_count * max(shards, default=0)
-    tile = min(DEFAULT_TILE, max(swapped, default=0))
-    return total + config.offload_optimizer_buffer_count * tile * 4 * 4
+    prefetch = engine.config.prefetch_bucket_size
+    activations = activation_bytes(shape, args.seq_len, args.batch_size, "fp32")
+    if offload_optimizer == "nvme":
+        m = infinity_bytes(
+            shape, args.nproc, "fp32", offload_param == "nvme",
+            engine.config.offload_param_buffer_count,
+            engine.config.offload_optimizer_buffer_count, prefetch,
+        )  # fmt: skip
+        return m["params"] + m["working_set"] + activations
+    m = estimate(shape, args.nproc, 3, "fp32", offload_optimizer == "cpu", offload_param=offload_param == "cpu")  # fmt: skip
+    states = m["total"] + m["host_total"]
+    return states + working_set_bytes(shape, 3, "fp32") + 4 * prefetch + activations
 
 
 def _int_or_auto(text: str) -> int | str:
@@ -254,7 +265,9 @@ def summarize(disk: list[dict], runs: dict[str, list[dict]]) -> dict:
             "peak_rss_mb": max(r["peak"] for r in ranks) / MIB,
             "peak_steps_rss_mb": max(r["peak_steps"] for r in ranks) / MIB,
             "base_rss_mb": max(r["base_rss"] for r in ranks) / MIB,
-            "working_set_mb": ranks[0]["working_set"] / MIB,
+            "estimate_mb": ranks[0]["estimate"] / MIB,
+            "growth_mb": max(r["peak"] - r["base_rss"] for r in ranks) / MIB,
+            "save_s": max(r["save_s"] for r in ranks),
             "disk_mb_per_rank": ranks[0]["memory_report"]["nvme_total"] / MIB,
             "final_loss": ranks[0]["losses"][-1],
             "losses": ranks[0]["losses"],
@@ -297,9 +310,9 @@ def table(summary: dict) -> str:
         f"once {d['mixed_gbps']:.2f} GB/s (the bound below)",
         "",
         "| config | step (s) | vs stage 3 | optimizer step (s) | disk bound (s) | bound / step "
-        "| peak RSS (MB) | RSS growth vs stage 3 | working set (MB) | disk per rank (MB) "
-        "| final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak RSS (MB) | growth (MB) | growth vs stage 3 | estimate (MB) | growth / estimate "
+        "| disk per rank (MB) | save (s) | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in summary["rows"].items():
         bound = f"{r['io_bound_s']:.2f}" if "io_bound_s" in r else ""
@@ -307,8 +320,9 @@ def table(summary: dict) -> str:
         lines.append(
             f"| {name} | {r['step_s']:.2f} | {r.get('step_vs_stage3', 1):.2f}x "
             f"| {r['optimizer_step_s']:.2f} | {bound} | {frac} | {r['peak_rss_mb']:.0f} "
-            f"| {r.get('rss_growth_vs_stage3', 1):.2f}x | {r['working_set_mb']:.0f} "
-            f"| {r['disk_mb_per_rank']:.0f} | {r['final_loss']:.4f} |"
+            f"| {r['growth_mb']:.0f} | {r.get('rss_growth_vs_stage3', 1):.2f}x "
+            f"| {r['estimate_mb']:.0f} | {r['growth_mb'] / r['estimate_mb']:.2f} "
+            f"| {r['disk_mb_per_rank']:.0f} | {r['save_s']:.1f} | {r['final_loss']:.4f} |"
         )
     lines += ["", f"DeepSpeed ZeRO-Infinity (NVMe): {summary['deepspeed']}"]
     return "\n".join(lines)

@@ -185,6 +185,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             f"{m['host_total'] / gib:>9.2f} {work_text} "
             f"{hf:>12} {PAPER_FORMULA[stage]:>11}"
         )
+    _print_infinity_rows(args, shape)
     if shape.hidden:
         for ckpt in (False, True):
             act = activation_bytes(
@@ -202,6 +203,26 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     )
     print(WHY_NOT_PAPER)
     return 0
+
+
+def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
+    """Stage 3 with NVMe tiers: what stays in memory, the I/O buffers, the swap files."""
+    from hf_zero.memory import infinity_bytes
+
+    if not shape.largest_unit_params:
+        print("ZeRO-Infinity (NVMe) rows need the layer sizes: --model or --model-config")
+        return
+    gib = 2**30
+    print(
+        f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host I/O GiB':>13} {'+ working set':>14} "
+        f"{'disk GiB':>9}"
+    )
+    for label, offload_param in (("optimizer", False), ("opt+param", True)):
+        m = infinity_bytes(shape, args.dp, args.precision, offload_param)
+        print(
+            f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "
+            f"{m['working_set'] / gib:>14.2f} {m['nvme_total'] / gib:>9.2f}"
+        )
 
 
 def _estimate_pipeline(args: argparse.Namespace, shape) -> int:

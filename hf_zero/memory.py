@@ -295,3 +295,43 @@ def activation_bytes(
     if checkpointing:
         return shape.layers * 2 * s * bsz * h * scale + per_layer
     return shape.layers * per_layer
+
+
+def infinity_bytes(
+    shape: ModelShape,
+    dp_size: int,
+    precision: str = "bf16",
+    offload_param: bool = True,
+    param_buffer_count: int = 5,
+    optimizer_buffer_count: int = 4,
+    prefetch_bucket_size: int = 0,
+) -> dict[str, float]:
+    """ZeRO-Infinity per rank (stage 3, ``offload_optimizer: nvme``; ``offload_param: nvme``
+    too with ``offload_param``): swap-file bytes by kind (``nvme_*``, as `memory_report()` names
+    them, and ``nvme_total``), what stays in device memory (``params``: the parameter shards
+    unless offloaded; gradients are written out as they are reduced), and the host's I/O
+    buffers at their fullest (``host_io_buffers``: the read-ahead of ``param_buffer_count``
+    unit shards, and ``optimizer_buffer_count`` tile sets of master, gradient and two Adam
+    moments in fp32). ``working_set`` adds stage 3's gathered units (`working_set_bytes`) and
+    the prefetch budget (``prefetch_bucket_size`` elements in the compute dtype)."""
+    from hf_zero.optim.streamed_step import DEFAULT_TILE
+
+    P, N, b = float(shape.params), float(dp_size), BYTES[precision]
+    unit_shard = shape.largest_unit_params / N
+    report = {
+        "params": 0.0 if offload_param else b * P / N,
+        "nvme_params": b * P / N if offload_param else 0.0,
+        "nvme_master_weights": 4 * P / N,
+        "nvme_grads": 4 * P / N,
+        "nvme_optimizer_states": 8 * P / N,
+    }
+    report["nvme_total"] = sum(v for k, v in report.items() if k.startswith("nvme_"))
+    read_ahead = param_buffer_count * b * unit_shard if offload_param else 0.0
+    tiles = optimizer_buffer_count * min(DEFAULT_TILE, unit_shard) * 4 * 4
+    report["host_io_buffers"] = read_ahead + tiles
+    report["working_set"] = (
+        working_set_bytes(shape, 3, precision)
+        + b * prefetch_bucket_size
+        + report["host_io_buffers"]
+    )
+    return report

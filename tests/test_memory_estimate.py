@@ -124,3 +124,43 @@ def test_whole_model_estimate_matches_measured_memory(case, world, options):
         assert abs(m["quantized_params"] - est.get("quantized_params", 0)) <= slack + 260 * 8
         if case == "tp":
             assert r["shape"].tp_split_params > 0.9 * r["shape"].params
+
+
+def _measure_nvme(precision: str, offload_param: bool, folder: str) -> dict:
+    model = build_model()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    engine = hf_zero.initialize(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        stage=3,
+        precision=precision,
+        offload_optimizer="nvme",
+        offload_param="nvme" if offload_param else "none",
+        nvme_path=folder,
+        param_persistence_threshold=0,
+    )
+    x = batch(dist.get_rank(), 0, 0)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    report = engine.memory_report()
+    padded = sum(g.numel for g in engine.groups)  # the estimate's P: padding included
+    engine.close()
+    return {"report": report, "padded": padded, "groups": len(engine.groups)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("offload_param", [False, True], ids=["optimizer", "opt+param"])
+def test_infinity_estimate_matches_the_swap_files(tmp_path, precision, offload_param):
+    """``hf-zero estimate``'s NVMe rows (`infinity_bytes`) against the swap files a run made."""
+    from hf_zero.memory import ModelShape, infinity_bytes
+
+    results = run_distributed(_measure_nvme, 2, args=(precision, offload_param, str(tmp_path)))
+    for r in results:
+        shape = ModelShape(params=r["padded"])  # padding included
+        estimate = infinity_bytes(shape, 2, precision, offload_param)
+        slack = 4096 * r["groups"]  # each swap file is padded to whole 4 KiB blocks
+        for kind in ("nvme_params", "nvme_master_weights", "nvme_grads", "nvme_optimizer_states"):
+            measured = r["report"][kind]
+            assert 0 <= measured - estimate[kind] <= 2 * slack, (kind, measured, estimate)
+        assert r["report"]["params"] <= estimate["params"] + slack

@@ -56,6 +56,6 @@ def test_partitioned_model_loads_checkpoint_slices_and_matches(tmp_path, stage):
         # Nothing large is ever whole: only the small norms hold full values after init.
         assert r["largest_whole"] < THRESHOLD
         assert r["slices"] * r["world"] == r["padded"]
-        # Each rank read about 1/N of the sliced tensors (plus partial rows at slice edges).
+        # Each rank read its slices of the sliced tensors, about 1/N of them, and the small ones.
         assert r["elements_read"] < 0.6 * r["elements_total"]
         assert r["logits_equal"] and r["trained"]

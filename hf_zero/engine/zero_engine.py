@@ -22,7 +22,7 @@ from hf_zero.comm import Collectives, CommStats
 from hf_zero.comm.topology import Topology, current_device, hpz_size, init_distributed
 from hf_zero.comm.watchdog import StallWatchdog
 from hf_zero.config.zero_config import ZeroConfig
-from hf_zero.engine import checkpointing
+from hf_zero.engine import checkpointing, pretrained_save
 from hf_zero.engine.full_state_dict import full_state_dict, saved_state_dict
 from hf_zero.engine.model_checks import check_materialized, check_same_model
 from hf_zero.engine.surface import Batch, Engine, loss_of, split_batch
@@ -448,7 +448,8 @@ class ZeroEngine(Engine):
         return report
 
     def close(self) -> None:
-        """Remove this rank's NVMe swap files (done at exit too); no training after it."""
+        """Remove this rank's NVMe swap files (done at exit too; another engine of this process
+        on the same nvme_path keeps them until it closes too); no training after it."""
         for swap in set(self.swaps.values()):
             swap.close()
         if self.watchdog is not None:
@@ -457,19 +458,21 @@ class ZeroEngine(Engine):
     def full_state_dict(
         self, rank0_only: bool = True, master_weights: bool = False
     ) -> dict[str, torch.Tensor]:
-        """The model's complete state dict on CPU, for ``save_pretrained`` (collective).
-
-        Under stage 3 each group is gathered, copied out and released in turn, so device memory
-        grows by one group at a time. ``master_weights=True`` gives trainable parameters their
-        fp32 master values. With ``rank0_only`` other ranks get ``{}``.
-        """
+        """The model's complete state dict on CPU (collective; ``{}`` off rank 0 with
+        ``rank0_only``), gathered one group at a time. ``master_weights=True`` gives trainable
+        parameters their fp32 master values."""
         return full_state_dict(self, rank0_only, master_weights)
 
-    def saved_state_dict(self) -> dict[str, torch.Tensor]:
-        """What ``save_model`` and ``get_state_dict`` write (collective; ``{}`` off rank 0):
-        each parameter in its dtype before training, or the training precision with the
-        config's ``save_16bit_model``."""
-        return saved_state_dict(self)
+    def saved_state_dict(self, only_trainable: bool = False) -> dict[str, torch.Tensor]:
+        """What ``save_model`` writes (collective; ``{}`` off rank 0): each parameter in its
+        dtype before training, or the training precision with ``save_16bit_model``;
+        ``only_trainable``: an adapter's parameters only, the frozen base never gathered."""
+        return saved_state_dict(self, only_trainable=only_trainable)
+
+    def save_pretrained(self, directory: str | Path, is_main_process: bool = True, **kwargs):
+        """`saved_state_dict` written as Hugging Face safetensors one group at a time, never
+        whole on a rank (collective); see `hf_zero.engine.pretrained_save`."""
+        return pretrained_save.save_pretrained(self, directory, is_main_process, **kwargs)
 
     def save_checkpoint(self, directory: str | Path, keep_last: int | None = None) -> None:
         """Write master shards and optimizer state, one file per rank, atomically (collective).

@@ -50,9 +50,10 @@ def base_name(name: str) -> str | None:
 
 
 # --- at save time ------------------------------------------------------------------------------
-def training_record(engine, model, state_dict: dict | None = None) -> dict:
+def training_record(engine, model, state_dict: dict | None = None, samples=None) -> dict:
     """What reproducing this run's forward needs (no collective; ``state_dict`` as gathered by
-    ``engine.full_state_dict()`` adds the base fingerprint)."""
+    ``engine.full_state_dict()``, or the base ``samples`` of `saved_adapter`, adds the base
+    fingerprint)."""
     from hf_zero._version import __version__
 
     config, zpp = engine.config, engine.zeropp
@@ -88,16 +89,20 @@ def training_record(engine, model, state_dict: dict | None = None) -> dict:
         frozen = {
             n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
         }
-        base = {base_name(k): v for k, v in state_dict.items() if k in frozen}
-        base.pop(None, None)
-        record["base_sha256"] = fingerprint(base)
+        samples = {base_name(k): sample(v) for k, v in state_dict.items() if k in frozen}
+        samples.pop(None, None)
+    if samples:
+        record["base_sha256"] = digest_samples(samples)
     return record
 
 
-def save_training_record(engine, model, output_dir: str | os.PathLike, state_dict=None) -> None:
+def save_training_record(
+    engine, model, output_dir: str | os.PathLike, state_dict=None, samples=None
+) -> None:
     """Write ``hf_zero_training.json`` into ``output_dir``; call it on the rank that saves (with
-    the state dict ``engine.full_state_dict()`` gave that rank, for the base fingerprint)."""
-    record = training_record(engine, model, state_dict)
+    the state dict ``engine.full_state_dict()`` gave that rank, or the base samples of
+    `saved_adapter`, for the base fingerprint)."""
+    record = training_record(engine, model, state_dict, samples)
     groups = record.pop("frozen_groups")
     head = json.dumps(record, indent=1).removesuffix("\n}")
     body = ",\n".join(f"  {json.dumps(g)}" for g in groups)  # one line per group
@@ -110,14 +115,45 @@ def fingerprint(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = No
     """SHA-256 over names, shapes and a strided sample of each tensor's values (at most about
     ``2 * SAMPLE`` of them, in ``dtype``; bitsandbytes codes as they are), in name order: cheap
     for a large base, and any other seed or checkpoint changes the sampled values."""
+    return digest_samples({name: sample(t, dtype) for name, t in tensors.items()})
+
+
+Sample = tuple[str, bytes]
+
+
+def sample(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Sample:
+    """What `fingerprint` reads of one tensor: its dtype and shape, and its strided sample."""
+    cast = None if is_packed(tensor) else dtype
+    flat = tensor.detach().reshape(-1)
+    flat = flat[:: max(1, flat.numel() // SAMPLE)].to("cpu", cast or flat.dtype).contiguous()
+    return f"|{flat.dtype}|{tuple(tensor.shape)}|", flat.view(torch.uint8).numpy().tobytes()
+
+
+def digest_samples(samples: dict[str, Sample]) -> str:
+    """`fingerprint` of tensors sampled one at a time (`sample`), so none need stay whole."""
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        cast = None if is_packed(tensors[name]) else dtype
-        flat = tensors[name].detach().reshape(-1)
-        flat = flat[:: max(1, flat.numel() // SAMPLE)].to("cpu", cast or flat.dtype).contiguous()
-        digest.update(f"{name}|{flat.dtype}|{tuple(tensors[name].shape)}|".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    for name in sorted(samples):
+        head, data = samples[name]
+        digest.update(f"{name}{head}".encode())
+        digest.update(data)
     return digest.hexdigest()
+
+
+def saved_adapter(engine, model, keep: bool) -> tuple[dict[str, torch.Tensor], dict[str, Sample]]:
+    """What an adapter save needs, one group at a time (collective): the trainable tensors as
+    saved, and the fingerprint sample of each frozen base weight (the base itself is gathered
+    one group at a time and dropped, never whole)."""
+    from hf_zero.engine.full_state_dict import saved_export, state_dict_pieces
+
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state, samples = {}, {}
+    for piece in state_dict_pieces(engine, saved_export(engine, keep)):
+        for key, value in piece.items():
+            if key not in frozen:
+                state[key] = value
+            elif (name := base_name(key)) is not None:
+                samples[name] = sample(value)
+    return state, samples
 
 
 def bitsandbytes_config(model: torch.nn.Module) -> dict | None:

@@ -16,6 +16,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from hf_zero.config.checks import AUTO
 from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.engine.pretrained_save import streamable
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 from hf_zero.integrations.cpu import ensure_cpu_args
 from hf_zero.integrations.trainer_arguments import zero_config_for
@@ -195,17 +196,24 @@ class ZeroTrainerMixin:
         output_dir = output_dir or self.args.output_dir
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = self.engine.saved_state_dict()  # collective: every rank gathers
-        if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
-            model = self.accelerator.unwrap_model(self.model)
-            if hasattr(model, "peft_config"):  # how the base was quantized, for reloading
-                from hf_zero.integrations.reload import save_training_record
+        model = self.accelerator.unwrap_model(self.model)
+        save = self.args.should_save
+        if not self.engine.is_pipeline and streamable(self.engine):
+            self.engine.save_pretrained(output_dir, is_main_process=save)  # group by group
+        elif hasattr(model, "peft_config") and not self.engine.is_pipeline:
+            from hf_zero.integrations.reload import save_training_record, saved_adapter
 
-                save_training_record(self.engine, model, output_dir, state_dict)
-            dtypes = [v.dtype for v in state_dict.values() if v.is_floating_point()]
-            model.save_pretrained(output_dir, state_dict=state_dict)  # may empty state_dict
-            record_saved_dtype(model, dtypes[0] if dtypes else None, output_dir)
+            state_dict, samples = saved_adapter(self.engine, model, keep=save)  # never the base
+            if save:
+                save_training_record(self.engine, model, output_dir, samples=samples)
+                model.save_pretrained(output_dir, state_dict=state_dict)
+        else:
+            state_dict = self.engine.saved_state_dict()  # collective: every rank gathers
+            if save:
+                dtypes = [v.dtype for v in state_dict.values() if v.is_floating_point()]
+                model.save_pretrained(output_dir, state_dict=state_dict)  # may empty state_dict
+                record_saved_dtype(model, dtypes[0] if dtypes else None, output_dir)
+        if save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

@@ -25,7 +25,7 @@ from hf_zero.sharding.stage3.coordinator import Unit, assign_params_to_units, fi
 from hf_zero.sharding.stage3.partitioned_init import unshard
 from hf_zero.sharding.stage3.partitioned_load import slice_of, unshard_params
 from hf_zero.sharding.stage3.units import true_numel
-from hf_zero.storage.swap import SwapSpace, check_nvme_path
+from hf_zero.storage.swap import SwapSpace, check_nvme_path, open_space
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class GroupBuilder:
                 root = check_nvme_path(key, config.nvme_path_for(tier))
                 shared = [s for s in self.swaps.values() if s.root == root]
                 self.swaps[tier] = (
-                    shared[0] if shared else SwapSpace(root, topology.rank, config.nvme_io_threads)
+                    shared[0] if shared else open_space(root, topology.rank, config.nvme_io_threads)
                 )
 
     def build(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:

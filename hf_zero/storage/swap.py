@@ -37,6 +37,7 @@ from hf_zero.storage import swap_folders
 ALIGN = 4096  # bytes: O_DIRECT alignment that every common NVMe / SSD accepts
 
 _counter = itertools.count()
+_open_spaces: dict[Path, SwapSpace] = {}
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -65,6 +66,22 @@ def check_nvme_path(key: str, path: str | os.PathLike | None) -> Path:
     return root
 
 
+def open_space(
+    root: str | os.PathLike, rank: int, threads: int = 4, hold: bool = True
+) -> SwapSpace:
+    """This process's open swap space under ``root``, made if there is none: what
+    `partitioned_init` spills while building and the engine's tiers then share one directory
+    and thread pool (two spaces would share the directory, and closing one would remove it).
+    ``hold``: the caller will `SwapSpace.close` it (an engine); the last holder's close removes
+    it. The build's slices are removed one by one as the engine adopts them."""
+    space = _open_spaces.get(Path(root))
+    if space is None or space._closed:
+        space = _open_spaces[Path(root)] = SwapSpace(root, rank, threads)
+        space.holders = 0
+    space.holders += hold
+    return space
+
+
 class SwapSpace:
     """One rank's swap directory and I/O thread pool.
 
@@ -88,8 +105,10 @@ class SwapSpace:
         self.stats = {"read_bytes": 0, "write_bytes": 0}
         """Bytes moved to and from this rank's swap files (padding included)."""
         self._closed = False
-        atexit.register(self.close)
-        swap_folders.remove_on_signal(self.close)
+        self.holders = 1
+        """Callers that will `close` it (`open_space`)."""
+        atexit.register(self.shutdown)
+        swap_folders.remove_on_signal(self.shutdown)
 
     def _direct_works(self) -> bool:
         probe = self.dir / ".direct_probe"
@@ -107,6 +126,12 @@ class SwapSpace:
         self.files.append(f)
         return f
 
+    def remove(self, file: SwapFile) -> None:
+        """Close ``file`` and give its disk space back now (a file only needed for a while)."""
+        file.close()
+        file.path.unlink(missing_ok=True)
+        self.files = [f for f in self.files if f is not file]
+
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An aligned host buffer of ``numel`` elements (pinned when CUDA is present), sized to
         whole blocks so direct I/O may read and write it entire."""
@@ -116,7 +141,14 @@ class SwapSpace:
         return raw[skip : skip + nbytes].view(dtype)[:numel]
 
     def close(self) -> None:
-        """Close every file and remove this run's directory (idempotent)."""
+        """Release the caller's hold (`open_space`); the last one closes every file and removes
+        this run's directory (idempotent)."""
+        self.holders -= 1
+        if self.holders <= 0:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close every file and remove this run's directory now (at exit too; idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -126,8 +158,8 @@ class SwapSpace:
         shutil.rmtree(self.dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.dir.parent.rmdir()  # the run directory, once every rank has left it
-        atexit.unregister(self.close)
-        swap_folders.forget(self.close)
+        atexit.unregister(self.shutdown)
+        swap_folders.forget(self.shutdown)
 
 
 class SwapFile:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from hf_zero.comm.topology import current_device, init_distributed
 from hf_zero.config.zero_config import ZeroConfig
@@ -33,7 +32,8 @@ from hf_zero.sharding.layout import FlatLayout
 from hf_zero.sharding.stage3.coordinator import assign_params_to_units, find_units
 from hf_zero.sharding.stage3.partitioned_load import PretrainedSlicer, keep_slice, slice_of
 from hf_zero.storage import host_memory
-from hf_zero.storage.safetensors import indexed_files
+from hf_zero.storage.safetensors import SafetensorsSliceReader, indexed_files
+from hf_zero.storage.swap import SwapFile, SwapSpace, check_nvme_path, open_space
 
 if TYPE_CHECKING:
     from hf_zero.comm import Collectives
@@ -42,23 +42,70 @@ if TYPE_CHECKING:
 
 @dataclass
 class PreShard:
-    """This rank's slice of one unit's flat layout, made before `initialize` exists."""
+    """This rank's slice of one unit's flat layout, made before `initialize` exists.
+
+    With a ``swap`` space (NVMe offload configured) the slice goes to a swap file as soon as all
+    of the unit's parameters are in (`fill`), so a build holds one unit's slice at a time.
+    """
 
     layout: FlatLayout
-    shard: torch.Tensor  # fp32, ``layout.shard_numel`` elements
+    shard: torch.Tensor | None  # fp32, ``layout.shard_numel`` elements (`open`, `fill`)
     params: list[torch.nn.Parameter]
     shard_index: int
     group: dist.ProcessGroup | None
+    swap: SwapSpace | None = None
+    file: SwapFile | None = None
+    filled: int = 0
+
+    def values(self) -> torch.Tensor:
+        """The slice: in memory, or read back from its swap file (a fresh buffer)."""
+        if self.file is None:
+            return self.shard
+        return self.file.read(self.swap.buffer(self.layout.shard_numel, torch.float32))
+
+    def store(self, values: torch.Tensor) -> None:
+        """Keep ``values`` (from `values`, changed) as the slice: back to the swap file when
+        it has one."""
+        if self.file is None:
+            self.shard = values
+        else:
+            self.file.write(values)
+
+    def open(self, device: torch.device) -> torch.Tensor:
+        """The slice being filled, zeros until then (made when its unit's first parameter is
+        materialised: with a swap space, only one unit's slice is in memory at a time)."""
+        if self.shard is None:
+            if self.swap is None:
+                self.shard = torch.zeros(
+                    self.layout.shard_numel, dtype=torch.float32, device=device
+                )
+            else:  # aligned, so it is written to the swap file as it is
+                self.shard = self.swap.buffer(self.layout.shard_numel, torch.float32).zero_()
+        return self.shard
+
+    def fill(self) -> None:
+        """One more parameter is in; with all in, a swapped slice leaves memory."""
+        self.filled += 1
+        if self.swap is not None and self.filled == len(self.params):
+            self.file = self.swap.file("preshard", self.shard.nbytes)
+            self.file.write(self.shard)
+            self.shard = None
+
+    def drop(self) -> None:
+        """`initialize` has adopted the slice: free it and its swap file."""
+        self.shard = None
+        if self.file is not None:
+            self.swap.remove(self.file)
+            self.file = None
 
     def gather_full(self, comm: Collectives, group: Group) -> torch.Tensor:
         """The unit's whole flat buffer (collective over ``group``, the whole world: the
         ranks it was sharded over), booked in ``comm``."""
+        shard = self.values()
         if self.layout.num_shards == 1:
-            return self.shard.clone()
-        full = torch.empty(
-            self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device
-        )
-        comm.all_gather(full, self.shard, group)
+            return shard.clone()
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather(full, shard, group)
         return full
 
 
@@ -109,13 +156,27 @@ def partitioned_init(
         for hook in hooks:
             hook.remove()
     built = [m for m in order if id(m) not in children]
+    swap = _spill_space(cfg)
     for root in built:
-        partition_module(root, cfg)
+        partition_module(root, cfg, swap)
     roots += built + slicer.loaded
 
 
-def partition_module(root: torch.nn.Module, config: ZeroConfig) -> None:
-    """Materialise a meta-device module one submodule at a time, keeping only shards."""
+def _spill_space(config: ZeroConfig) -> SwapSpace | None:
+    """Where slices go while the model is built: the swap space of the NVMe tier, if any (on
+    a CPU device; on an accelerator the slices are in device memory already)."""
+    tier = next((t for t in ("offload_param", "offload_optimizer") if getattr(config, t) == "nvme"), None)  # fmt: skip
+    if tier is None or current_device().type != "cpu":
+        return None
+    root = check_nvme_path(f"{tier}.nvme_path", config.nvme_path_for(tier))
+    return open_space(root, dist.get_rank(), config.nvme_io_threads, hold=False)
+
+
+def partition_module(
+    root: torch.nn.Module, config: ZeroConfig, swap: SwapSpace | None = None
+) -> None:
+    """Materialise a meta-device module one submodule at a time, keeping only shards (each
+    unit's in a swap file of ``swap`` once complete)."""
     device = current_device()
     world, rank = dist.get_world_size(), dist.get_rank()
     hidden = getattr(getattr(root, "config", None), "hidden_size", None)
@@ -132,8 +193,7 @@ def partition_module(root: torch.nn.Module, config: ZeroConfig) -> None:
     slot_of: dict[int, tuple[PreShard, int]] = {}
     for unit_index, params in members.items():
         layout = FlatLayout([names[id(p)] for p in params], [p.shape for p in params], world)
-        shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        pre = PreShard(layout, shard, list(params), rank, None)
+        pre = PreShard(layout, None, list(params), rank, None, swap)
         found[unit_index][1]._hf_zero_preshard = pre
         for i, p in enumerate(params):
             slot_of[id(p)] = (pre, i)
@@ -163,6 +223,7 @@ def partition_module(root: torch.nn.Module, config: ZeroConfig) -> None:
             p._hf_zero_slot = (pre, slot)
             _copy_into_shard(pre, slot, p.detach().reshape(-1).float())
             p.data = torch.empty(0, dtype=p.dtype, device=device)
+            pre.fill()
     _check_nothing_meta(root)
 
 
@@ -206,8 +267,9 @@ def _copy_into_shard(pre: PreShard, slot, flat_values: torch.Tensor) -> None:
     """Copy the part of one parameter that falls inside this rank's shard."""
     start, end = pre.layout.shard_range(pre.shard_index)
     lo, hi = max(slot.offset, start), min(slot.end, end)
+    shard = pre.open(flat_values.device)
     if lo < hi:
-        pre.shard[lo - start : hi - start].copy_(flat_values[lo - slot.offset : hi - slot.offset])
+        shard[lo - start : hi - start].copy_(flat_values[lo - slot.offset : hi - slot.offset])
 
 
 def is_partitioned(model: torch.nn.Module) -> bool:
@@ -241,8 +303,10 @@ def load_partitioned(model: torch.nn.Module, path: str | Path) -> dict[str, int]
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     read = total = 0
-    handles = {f: safe_open(f, framework="pt", device="cpu") for f in set(files.values())}
+    # Positioned reads: a memory map would bring every page a rank touches into its RSS.
+    handles = {f: SafetensorsSliceReader(Path(f)) for f in set(files.values())}
     seen: set[int] = set()
+    editing: list[tuple[PreShard, torch.Tensor]] = []  # one slice at a time (it may be swapped)
     for p in model.parameters():
         if id(p) in seen:
             continue
@@ -259,14 +323,14 @@ def load_partitioned(model: torch.nn.Module, path: str | Path) -> dict[str, int]
                     f"hf_zero.load_partitioned: '{key}' is a bitsandbytes weight; load the "
                     "quantized model again with from_pretrained inside partitioned_init()"
                 )
-            tensor = handle.get_tensor(key).to(p.dtype)
+            tensor = handle.tensor(key).to(p.dtype)
             p._hf_zero_slice = slice_of(keep_slice(key, torch.nn.Parameter(tensor, False)))
             read += tensor.numel()
             total += tensor.numel()
             continue
         slot_info = getattr(p, "_hf_zero_slot", None)
         if slot_info is None:
-            tensor = handle.get_tensor(key)
+            tensor = handle.tensor(key)
             with torch.no_grad():
                 p.copy_(tensor.to(p.dtype))
             read += tensor.numel()
@@ -277,38 +341,46 @@ def load_partitioned(model: torch.nn.Module, path: str | Path) -> dict[str, int]
         total += slot.numel
         read += count
         if values is not None:
+            if not editing or editing[0][0] is not pre:
+                _store(editing)
+                editing.append((pre, pre.values()))
             start, _ = pre.layout.shard_range(pre.shard_index)
             lo = max(slot.offset, start)
-            pre.shard[lo - start : lo - start + values.numel()].copy_(values)
+            editing[0][1][lo - start : lo - start + values.numel()].copy_(values)
+    _store(editing)
     for name, buf in model.named_buffers():
         if name in files:
             with torch.no_grad():
-                buf.copy_(handles[files[name]].get_tensor(name).to(buf.dtype))
+                buf.copy_(handles[files[name]].tensor(name).to(buf.dtype))
     return {"elements_read": read, "elements_total": total}
 
 
-def _read_range(handle, key: str, slot, pre: PreShard) -> tuple[torch.Tensor | None, int]:
-    """The elements of ``key`` inside this rank's shard, reading whole rows only around them."""
+def _store(editing: list[tuple[PreShard, torch.Tensor]]) -> None:
+    for pre, values in editing:
+        pre.store(values)
+    editing.clear()
+
+
+def _read_range(
+    reader: SafetensorsSliceReader, key: str, slot, pre: PreShard
+) -> tuple[torch.Tensor | None, int]:
+    """The elements of ``key`` inside this rank's shard (only those are read)."""
     start, end = pre.layout.shard_range(pre.shard_index)
     lo, hi = max(slot.offset, start) - slot.offset, min(slot.end, end) - slot.offset
     if lo >= hi:
         return None, 0
-    shape = tuple(slot.shape)
-    row = 1
-    for dim in shape[1:]:
-        row *= dim
-    first, last = lo // row, (hi - 1) // row + 1
-    rows = handle.get_slice(key)[first:last] if shape else handle.get_tensor(key)
-    flat = rows.reshape(-1).float()
-    offset = lo - first * row
-    return flat[offset : offset + (hi - lo)], flat.numel()
+    if list(reader.shape(key)) != list(slot.shape):
+        raise ValueError(
+            f"hf_zero.load_partitioned: '{key}' has shape {reader.shape(key)} in "
+            f"{reader.path}, the model's is {list(slot.shape)}"
+        )
+    return reader.read(key, lo, hi).float(), hi - lo
 
 
 def _tensor_files(path: Path) -> dict[str, str]:
     """Map each tensor name to the safetensors file holding it."""
     if path.is_file():
-        with safe_open(str(path), framework="pt") as f:
-            return {k: str(path) for k in f.keys()}  # noqa: SIM118
+        return dict.fromkeys(SafetensorsSliceReader(path).keys(), str(path))
     index = path / "model.safetensors.index.json"
     if index.exists():
         return {k: str(v) for k, v in indexed_files(path, index).items()}
@@ -332,4 +404,5 @@ def unshard(module: torch.nn.Module, comm: Collectives, group: Group) -> None:
     for slot, p in zip(pre.layout.slots, pre.params):
         p.data = full[slot.offset : slot.end].view(slot.shape).to(p.dtype, copy=True)
         del p._hf_zero_slot
+    pre.drop()
     del module._hf_zero_preshard
