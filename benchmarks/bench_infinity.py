@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import proc_status, reset_peak
+from bench_memory import proc_io, proc_status, reset_peak
 from common import launch_ranks
 
 CONFIGS = {  # name -> (offload_param, offload_optimizer)
@@ -129,20 +129,22 @@ def train_worker(args) -> dict:
     reset_peak()
     swap = engine.swaps.get("offload_optimizer")
     gen = torch.Generator().manual_seed(1000 + rank)
-    steps, opt_steps, losses, io = [], [], [], []
+    steps, opt_steps, losses, io, os_io = [], [], [], [], []
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=gen)
         dist.barrier()
         start = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
-        before = dict(swap.stats) if swap else {}
+        before, os_before = dict(swap.stats) if swap else {}, proc_io()
         opt_start = time.perf_counter()
         engine.step()
         end = time.perf_counter()
+        os_after = proc_io()
         steps.append(end - start)
         opt_steps.append(end - opt_start)
         io.append({k: swap.stats[k] - before[k] for k in before} if swap else {})
+        os_io.append({k: os_after[k] - os_before[k] for k in os_after})
         losses.append(loss.item())
     peak_steps = proc_status()
     # The rest of a run's life: an evaluation forward, then the model saved (streamed).
@@ -172,6 +174,7 @@ def train_worker(args) -> dict:
         "steps": steps,
         "optimizer_steps": opt_steps,
         "optimizer_io": io,
+        "os_io": os_io,
         "losses": losses,
         "save_s": save_s,
         "memory_report": report,
@@ -233,15 +236,15 @@ def deepspeed_status() -> str:
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except ImportError:
-        reason = "DeepSpeed is not installed in this environment"
+        reason = "DeepSpeed is not importable (PYTHONPATH=/work/dslib, see its worker)"
     else:
         if AsyncIOBuilder().is_compatible(verbose=False):
             return "available"
         reason = "DeepSpeed's async_io op is not compatible here"
     if not Path("/usr/include/libaio.h").exists():
         reason += (
-            "; its async_io op (the only NVMe path of ZeRO-Infinity) needs libaio's headers "
-            "(libaio-dev), absent on this machine, and system packages cannot be installed here"
+            "; its async_io op (the only NVMe path of ZeRO-Infinity) needs libaio's headers: "
+            "apt-get install libaio-dev"
         )
     return reason
 
@@ -253,42 +256,51 @@ def summarize(disk: list[dict], runs: dict[str, list[dict]]) -> dict:
     mixed_bw = 2 * total / max(d["mixed_s"] for d in disk)  # bytes read + written per second
     rows = {}
     plain = runs.get("stage 3")
-    for name, ranks in runs.items():
-        measured = slice(1, None)  # the first step records the trace and creates the state files
-        step = sum(sum(r["steps"][measured]) for r in ranks) / sum(
+
+    def mean_step(ranks: list[dict]) -> float:
+        measured = slice(1, None)  # the first step records the trace, creates the state files
+        return sum(sum(r["steps"][measured]) for r in ranks) / sum(
             len(r["steps"][measured]) for r in ranks
         )
+
+    for name, ranks in runs.items():
+        measured = slice(1, None)
         opt = max(sum(r["optimizer_steps"][measured]) / len(r["steps"][measured]) for r in ranks)
         row = {
-            "step_s": step,
+            "step_s": mean_step(ranks),
             "optimizer_step_s": opt,
             "peak_rss_mb": max(r["peak"] for r in ranks) / MIB,
             "peak_steps_rss_mb": max(r["peak_steps"] for r in ranks) / MIB,
             "base_rss_mb": max(r["base_rss"] for r in ranks) / MIB,
-            "estimate_mb": ranks[0]["estimate"] / MIB,
             "growth_mb": max(r["peak"] - r["base_rss"] for r in ranks) / MIB,
-            "save_s": max(r["save_s"] for r in ranks),
-            "disk_mb_per_rank": ranks[0]["memory_report"]["nvme_total"] / MIB,
             "final_loss": ranks[0]["losses"][-1],
             "losses": ranks[0]["losses"],
         }
-        io = [r["optimizer_io"][-1] for r in ranks]
-        if io[0]:
-            read, write = sum(i["read_bytes"] for i in io), sum(i["write_bytes"] for i in io)
+        if "estimate" in ranks[0]:
+            row.update(
+                estimate_mb=ranks[0]["estimate"] / MIB,
+                save_s=max(r["save_s"] for r in ranks),
+                disk_mb_per_rank=ranks[0]["memory_report"]["nvme_total"] / MIB,
+            )
+        io = [r["os_io"][-1] for r in ranks]  # the kernel's count: O_DIRECT and libaio alike
+        read, write = sum(i["read_bytes"] for i in io), sum(i["write_bytes"] for i in io)
+        if read + write > 1 << 20:
             # The step reads and writes at once: its bound is the disk's rate for that mix.
             bound = (read + write) / mixed_bw
             row.update(io_read_mb=read / MIB, io_write_mb=write / MIB, io_bound_s=bound)
             row["bound_fraction"] = bound / opt
         if plain:
             plain_growth = max(r["peak"] - r["base_rss"] for r in plain)
-            growth = max(r["peak"] - r["base_rss"] for r in ranks)
-            row["rss_growth_vs_stage3"] = growth / plain_growth
-            row["peak_rss_vs_stage3"] = row["peak_rss_mb"] / (max(r["peak"] for r in plain) / MIB)
-            row["step_vs_stage3"] = step / (
-                sum(sum(r["steps"][measured]) for r in plain)
-                / sum(len(r["steps"][measured]) for r in plain)
-            )
+            row["rss_growth_vs_stage3"] = row["growth_mb"] * MIB / plain_growth
+            row["step_vs_stage3"] = row["step_s"] / mean_step(plain)
         rows[name] = row
+    for name, ds_name in (("Infinity nvme/nvme", "DeepSpeed nvme/nvme"),
+                          ("stage 3 + offload cpu/cpu", "DeepSpeed cpu/cpu")):  # fmt: skip
+        if name in rows and ds_name in rows:
+            rows[name]["step_vs_deepspeed"] = rows[name]["step_s"] / rows[ds_name]["step_s"]
+            rows[name]["peak_vs_deepspeed"] = (
+                rows[name]["peak_rss_mb"] / rows[ds_name]["peak_rss_mb"]
+            )
     return {
         "disk": {
             "read_gbps": read_bw / 1e9,
@@ -297,7 +309,7 @@ def summarize(disk: list[dict], runs: dict[str, list[dict]]) -> dict:
             "o_direct": disk[0]["direct"],
         },
         "rows": rows,
-        "params": next(iter(runs.values()))[0]["params"],
+        "params": next(iter(runs.values()))[0].get("params"),
         "deepspeed": deepspeed_status(),
     }
 
@@ -309,22 +321,27 @@ def table(summary: dict) -> str:
         f"read {d['read_gbps']:.2f} GB/s, write {d['write_gbps']:.2f} GB/s, read and write at "
         f"once {d['mixed_gbps']:.2f} GB/s (the bound below)",
         "",
-        "| config | step (s) | vs stage 3 | optimizer step (s) | disk bound (s) | bound / step "
-        "| peak RSS (MB) | growth (MB) | growth vs stage 3 | estimate (MB) | growth / estimate "
-        "| disk per rank (MB) | save (s) | final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | step (s) | vs stage 3 | vs DeepSpeed | optimizer step (s) | disk bound (s) "
+        "| bound / step | peak RSS (MB) | vs DeepSpeed | growth (MB) | growth vs stage 3 "
+        "| estimate (MB) | growth / estimate | disk per rank (MB) | save (s) | final loss |",
+        "|---|" + "---:|" * 15,
     ]
     for name, r in summary["rows"].items():
         bound = f"{r['io_bound_s']:.2f}" if "io_bound_s" in r else ""
         frac = f"**{r['bound_fraction']:.2f}**" if "bound_fraction" in r else ""
-        lines.append(
-            f"| {name} | {r['step_s']:.2f} | {r.get('step_vs_stage3', 1):.2f}x "
-            f"| {r['optimizer_step_s']:.2f} | {bound} | {frac} | {r['peak_rss_mb']:.0f} "
-            f"| {r['growth_mb']:.0f} | {r.get('rss_growth_vs_stage3', 1):.2f}x "
-            f"| {r['estimate_mb']:.0f} | {r['growth_mb'] / r['estimate_mb']:.2f} "
-            f"| {r['disk_mb_per_rank']:.0f} | {r['save_s']:.1f} | {r['final_loss']:.4f} |"
-        )
-    lines += ["", f"DeepSpeed ZeRO-Infinity (NVMe): {summary['deepspeed']}"]
+        est = r.get("estimate_mb")
+        cells = [
+            name, f"{r['step_s']:.2f}", f"{r.get('step_vs_stage3', 1):.2f}x",
+            f"{r['step_vs_deepspeed']:.2f}x" if "step_vs_deepspeed" in r else "",
+            f"{r['optimizer_step_s']:.2f}", bound, frac, f"{r['peak_rss_mb']:.0f}",
+            f"{r['peak_vs_deepspeed']:.2f}x" if "peak_vs_deepspeed" in r else "",
+            f"{r['growth_mb']:.0f}", f"{r.get('rss_growth_vs_stage3', 1):.2f}x",
+            f"{est:.0f}" if est else "", f"{r['growth_mb'] / est:.2f}" if est else "",
+            f"{r['disk_mb_per_rank']:.0f}" if "disk_mb_per_rank" in r else "",
+            f"{r['save_s']:.1f}" if "save_s" in r else "", f"{r['final_loss']:.4f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"DeepSpeed ZeRO-Infinity: {summary['deepspeed']}"]
     return "\n".join(lines)
 
 
@@ -342,6 +359,11 @@ def main(argv=None) -> int:
     p.add_argument("--io_threads", type=int, default=4)
     p.add_argument("--bw_gib", type=float, default=4.0, help="bandwidth test size, all ranks")
     p.add_argument("--only", nargs="*", default=None, help="configuration names to run")
+    p.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="add DeepSpeed 0.19.8's ZeRO-Infinity (cpu and nvme) rows (see its worker)",
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--train", help=argparse.SUPPRESS)
@@ -369,6 +391,16 @@ def main(argv=None) -> int:
         if args.only is None or name in args.only:
             print(f"running {name} ...", file=sys.stderr, flush=True)
             runs[name] = launch(args, name, "train", tmp)
+    if args.deepspeed and deepspeed_status() == "available":
+        for device in ("cpu", "nvme"):
+            name = f"DeepSpeed {device}/{device}"
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            flags = [a for k, v in vars(args).items() if k in FORWARDED for a in (f"--{k}", str(v))]
+            script = str(Path(__file__).with_name("infinity_rank_deepspeed.py"))
+            stem = tmp / f"ds.{device}"
+            runs[name] = launch_ranks(
+                script, args.nproc, [*flags, "--ds_device", device], stem, name, args.timeout
+            )
     summary = summarize(disk, runs)
     summary["args"] = {k: v for k, v in vars(args).items() if k in FORWARDED}
     out = Path(args.out) / "bench_infinity.json"

@@ -1,18 +1,21 @@
 """ZeRO-Infinity's headline: fine-tune a model whose fp32 model states exceed this machine's RAM.
 
-    python benchmarks/bench_infinity_headline.py --hidden 2048 --layers 38 --max_steps 3
+    python benchmarks/bench_infinity_headline.py --hidden 2560 --layers 40 --max_steps 3
 
-Writes a LLaMA-style ``config.json`` (``--hidden``, ``--layers``, vocabulary 32000; 1.98B
-parameters at the defaults: 16 bytes each of fp32 model states = 31.7 GB, against 24 GiB of
+Writes a LLaMA-style ``config.json`` (``--hidden``, ``--layers``, vocabulary 32000; 3.21B
+parameters at the defaults: 16 bytes each of fp32 model states = 51.4 GB, 2.0x the 23.5 GiB of
 RAM here), then runs, exactly as a user would::
 
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml recipes/finetune_full.py \\
         --model_config <dir> --zero_config configs/zero/ds_zero3_nvme.json --max_steps 3 ...
 
-The model is built inside `hf_zero.partitioned_init()` (never whole on a rank); parameters and
-optimizer state live in swap files under the JSON's ``nvme_path``. While it runs, this script
-samples every rank's VmRSS (and reads VmHWM) from ``/proc`` and the swap directory's size on disk;
-afterwards it reads the Trainer's log history. Prints a table and writes
+The model is built inside `hf_zero.partitioned_init()` (never whole on a rank, its slices going
+to the swap files unit by unit); parameters and optimizer state live in swap files under the
+JSON's ``nvme_path``; ``save_model`` writes Hugging Face safetensors one unit at a time. While
+it runs, this script samples every rank's VmRSS (and reads VmHWM) from ``/proc`` and the swap
+directory's size on disk; afterwards it reads the Trainer's log history, and a fresh process
+loads the saved model with plain ``from_pretrained`` and compares its logits on the recipe's
+probe with those the training run wrote. Prints a table and writes
 ``--out/bench_infinity_headline.json``. A benchmark, not a test: nothing here is asserted.
 """
 
@@ -71,8 +74,8 @@ def du(path: Path) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=38)
+    p.add_argument("--hidden", type=int, default=2560)
+    p.add_argument("--layers", type=int, default=40)
     p.add_argument("--max_steps", type=int, default=3)
     p.add_argument("--block_size", type=int, default=32)
     p.add_argument("--zero_config", default=str(ROOT / "configs/zero/ds_zero3_nvme.json"))
@@ -160,6 +163,11 @@ def main(argv=None) -> int:
         "samples": samples,
         "command": " ".join(cmd),
     }
+    saved = work / "output"
+    result["saved_gb"] = sum(f.stat().st_size for f in saved.glob("*.safetensors")) / 1e9
+    result["saved_files"] = sorted(f.name for f in saved.glob("model*.safetensors*"))
+    if proc.returncode == 0:
+        result["reload"] = reload_and_compare(saved)
     (out / "bench_infinity_headline.json").write_text(json.dumps(result, indent=1))
     losses = [h["loss"] for h in history if "loss" in h]
     print(f"\nmodel: {params / 1e9:.2f}B parameters, fp32 model states "
@@ -170,7 +178,41 @@ def main(argv=None) -> int:
           f"{[round(v, 2) for v in result['training_rss_per_rank_gb']]}; VmHWM with the final "
           f"save_model: {[round(v, 2) for v in result['peak_rss_per_rank_gb']]}; peak swap on "
           f"disk {result['peak_disk_gb']:.1f} GB; {len(steps)} logged steps")  # fmt: skip
+    print(f"saved {result['saved_gb']:.1f} GB as {len(result['saved_files'])} files; "
+          f"reloaded in a fresh process: {result.get('reload')}")  # fmt: skip
     return proc.returncode
+
+
+RELOAD = """
+import json, resource, sys, time, torch
+sys.path.insert(0, {recipes!r})
+from recipe_utils import probe_logits
+from transformers import AutoModelForCausalLM
+from hf_zero.tiny import tiny_tokenizer
+start = time.time()
+model = AutoModelForCausalLM.from_pretrained({saved!r})
+loaded = time.time() - start
+logits = probe_logits(model, tiny_tokenizer(), "cpu").float()
+trained = torch.load({saved!r} + "/probe_logits.pt").float()
+print(json.dumps({{
+    "max_abs_diff": (logits - trained).abs().max().item(),
+    "equal": torch.equal(logits, trained),
+    "load_s": loaded,
+    "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+}}))
+"""
+
+
+def reload_and_compare(saved: Path) -> dict:
+    """A fresh process: plain ``from_pretrained`` of what the run saved, then the recipe's
+    probe logits against those the training run wrote after training."""
+    code = RELOAD.format(recipes=str(ROOT / "recipes"), saved=str(saved))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
+    )
+    if done.returncode:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -58,6 +58,18 @@ def proc_status() -> dict[str, int]:
     return out
 
 
+def proc_io() -> dict[str, int]:
+    """Bytes this process (all its threads) read from and wrote to storage: the kernel's
+    count (``/proc/self/io``), O_DIRECT and libaio included."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("read_bytes", "write_bytes"):
+                out[key] = int(value)
+    return out
+
+
 def trim() -> bool:
     """Return the allocator's free pages to the system (glibc ``malloc_trim``); False if absent."""
     try:

@@ -156,6 +156,9 @@ class ModelShape:
     heads: int = 0
     embedding_params: int = 0
     """The input embedding (a pipeline's first stage holds it, the last its head's size)."""
+    root_unit_params: int = 0
+    """What no layer unit holds (embeddings, final norm, an untied head): stage 3's root
+    unit, gathered from the forward's start to the backward's end."""
 
 
 def shape_of(model) -> ModelShape:
@@ -190,6 +193,7 @@ def shape_of(model) -> ModelShape:
         embedding_params=model.get_input_embeddings().weight.numel()
         if hasattr(model, "get_input_embeddings")
         else 0,
+        root_unit_params=per_unit.get(0, 0) if layers else 0,
     )
 
 
@@ -265,13 +269,14 @@ def estimate(
 
 
 def working_set_bytes(shape: ModelShape, stage: int, precision: str, tp_size: int = 1) -> float:
-    """Stage 3 gathers a unit whole: the running one plus one prefetched, and the running
-    unit's full gradient before its reduce-scatter. Stages 0-2 keep everything whole already."""
+    """Stage 3 gathers a unit whole: the running one plus one prefetched, the running unit's
+    full gradient before its reduce-scatter, and the root unit (embeddings, head) for the whole
+    forward and backward. Stages 0-2 keep everything whole already."""
     if stage != 3:
         return 0.0
     split_fraction = shape.tp_split_params / shape.params if shape.params else 0.0
-    unit = shape.largest_unit_params * (1 - split_fraction + split_fraction / tp_size)
-    return BYTES[precision] * unit * 3
+    per_rank = 1 - split_fraction + split_fraction / tp_size
+    return BYTES[precision] * (3 * shape.largest_unit_params + shape.root_unit_params) * per_rank
 
 
 def activation_bytes(
@@ -329,9 +334,13 @@ def infinity_bytes(
     read_ahead = param_buffer_count * b * unit_shard if offload_param else 0.0
     tiles = optimizer_buffer_count * min(DEFAULT_TILE, unit_shard) * 4 * 4
     report["host_io_buffers"] = read_ahead + tiles
+    # The reduce-scatter output of the reduction in flight (one unit's with reduce_bucket_size
+    # `auto`, h^2 elements; more units' with a larger one) until it is written out.
+    in_flight = b * unit_shard
     report["working_set"] = (
         working_set_bytes(shape, 3, precision)
         + b * prefetch_bucket_size
         + report["host_io_buffers"]
+        + in_flight
     )
     return report

@@ -63,6 +63,15 @@ def _accelerate_parity(stage: int, tmp: str) -> dict:
     out["state_dict_ok"] = dist.get_rank() != 0 or all(
         torch.equal(state[k], v) for k, v in params.items()
     )
+    # save_model: Hugging Face safetensors (streamed from the engine) holding the same values.
+    accelerator.save_model(model, f"{tmp}/model")
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        written = load_file(f"{tmp}/model/model.safetensors")
+        out["save_model_ok"] = bool(written) and all(
+            torch.equal(written[k], state[k]) for k in written
+        )
     # save_state -> train on -> load_state brings back the saved parameters exactly.
     accelerator.save_state(tmp)
     saved = named_fp32(model)
@@ -84,6 +93,7 @@ def test_zero_accelerator_matches_accelerate_ddp(stage, tmp_path):
         # The scheduler advances as under plain Accelerate (which steps it once per process).
         assert r["lr"][0] == r["lr"][1] < 1e-3
         assert r["state_dict_ok"]
+        assert r.get("save_model_ok", True)  # rank 0 reads the files back
         assert r["moved"] > 0 and r["restored"] == 0.0
 
 

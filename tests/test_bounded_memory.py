@@ -1,7 +1,7 @@
 """ZeRO-Infinity's model states never whole in memory: building under `partitioned_init()` with
 NVMe tiers goes to the swap files one unit at a time, `load_partitioned` reads each rank's
 slices of a checkpoint straight into them (positioned reads: no memory map in the RSS), and
-the streamed ``save_pretrained`` gathers one group at a time. Measured from outside: the
+the model's own ``save_pretrained(dir)`` streams, gathering one group at a time. Measured from outside: the
 process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` before each phase) on
 both ranks.
 
@@ -72,7 +72,8 @@ def _phases(folder: str) -> dict:
     out["model"] = sum(g.numel for g in engine.groups) * 4
 
     base = _reset_peak()
-    engine.save_pretrained(os.path.join(folder, "streamed"), is_main_process=rank == 0)
+    # As a user saves: the model's own save_pretrained (routed to the streamed writer).
+    model.save_pretrained(os.path.join(folder, "streamed"), is_main_process=rank == 0)
     out["save"] = _vm("VmHWM") - base
 
     # A second model loads that checkpoint straight into its swapped slices, and saves it again.

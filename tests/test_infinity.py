@@ -47,7 +47,11 @@ def _cfg(param: str, optimizer: str, nvme: str, **extra) -> dict:
     return cfg
 
 
-def _matrix(nvme: str, precision: str, combos: list[tuple[str, str]]) -> dict:
+def _matrix(nvme: str, precision: str, combos: list[tuple[str, str]], tile: int = 0) -> dict:
+    if tile:  # the streamed step's tiles: several per group, the pipeline across groups
+        import hf_zero.optim.streamed_step
+
+        hf_zero.optim.streamed_step.DEFAULT_TILE = tile
     ref_losses, ref_params = train_ddp(STEPS, GAS, CLIP, precision=precision)
     plain_losses, plain_params, _ = train_zero(STEPS, GAS, CLIP, 3, precision=precision, **ZERO3)
     out = {}
@@ -70,6 +74,16 @@ def _matrix(nvme: str, precision: str, combos: list[tuple[str, str]]) -> dict:
 
 
 ALL = [(p, o) for p in DEVICES for o in DEVICES if (p, o) != ("none", "none")]
+
+
+def test_small_tiles_stream_across_groups_and_equal_plain_stage3(tmp_path):
+    """Tiles of 1024 elements: every group's step is several tiles, and the buffer sets carry
+    the reads of one group's first tiles while the previous group's last ones are stepped."""
+    combos = [("nvme", "nvme"), ("none", "nvme")]
+    for rank_result in run_distributed(_matrix, 2, args=(str(tmp_path), "fp32", combos, 1024)):
+        for combo, r in rank_result.items():
+            assert r["equal_to_plain"], combo
+            assert r["swap_dirs_left"] == [], combo
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ def _train_and_save(out: str, mode: str, model_name: str) -> dict:
         engine.step()
     saved = os.path.join(out, "saved")
     engine.save_pretrained(saved, is_main_process=dist.get_rank() == 0, max_shard_size=SHARD)
+    model.save_pretrained(os.path.join(out, "model_call"), is_main_process=dist.get_rank() == 0)
     whole = engine.saved_state_dict()  # the same values, gathered whole
     if dist.get_rank() == 0:  # transformers' own writer, for the names it uses
         model.save_pretrained(os.path.join(out, "reference"), state_dict=dict(whole))
@@ -92,6 +93,11 @@ def test_streamed_save_equals_the_gathered_state_dict_and_loads(tmp_path, mode, 
     sizes = sum((saved / f).stat().st_size for f in set(index["weight_map"].values()))
     assert index["metadata"]["total_size"] <= sizes
     assert not list(saved.glob(".*.partial"))
+    # The model's own save_pretrained(dir) takes the same streamed path under stage 3.
+    if MODES[mode]["stage"] == 3:
+        from_model = _files(tmp_path / "model_call")
+        assert sorted(from_model) == sorted(written)
+        assert all(torch.equal(from_model[k], written[k]) for k in written)
 
     loaded = AutoModelForCausalLM.from_pretrained(saved).state_dict()
     assert sorted(loaded) == sorted(whole)

@@ -1,7 +1,7 @@
 """The engines: `initialize()` returns a `ZeroEngine` (ZeRO stages 0-3) or, with ``pp_size`` > 1,
 a `PipelineEngine`; both have the `Engine` surface (`surface`). Also here: what an engine saves
-(`checkpointing`, `pipeline_checkpointing`, `full_state_dict`) and checks at start
-(`model_checks`).
+(`checkpointing`, `pipeline_checkpointing`, `full_state_dict`, the streamed ``save_pretrained``
+of `pretrained_save`) and checks at start (`model_checks`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,31 @@ def streamable(engine: ZeroEngine) -> bool:
         and not hasattr(model, "peft_config")
         and all(g.packed is None for g in engine.groups + engine.frozen_groups)
     )
+
+
+def route_model_save(engine: ZeroEngine) -> None:
+    """Make the model's own ``save_pretrained(dir)`` (no ``state_dict``, safetensors, no hub
+    push) stream through `save_pretrained` under stage 3, instead of the state-dict hooks'
+    whole CPU copy on every rank; any other call goes to transformers' own as before."""
+    model = engine.module
+    if not streamable(engine):
+        return
+    original = model.save_pretrained
+    engine_ref = weakref.ref(engine)
+
+    @functools.wraps(original)
+    def save(save_directory, is_main_process=True, state_dict=None, max_shard_size="50GB", **kw):
+        live = engine_ref()
+        plain = set(kw) <= {"safe_serialization", "save_function"}
+        if live is None or state_dict is not None or not plain or kw.get("safe_serialization") is False:  # fmt: skip
+            return original(
+                save_directory, is_main_process=is_main_process, state_dict=state_dict,
+                max_shard_size=max_shard_size, **kw,
+            )  # fmt: skip
+        live.save_pretrained(save_directory, is_main_process, max_shard_size=max_shard_size)
+        return None
+
+    model.save_pretrained = save
 
 
 @dataclass

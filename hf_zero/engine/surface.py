@@ -7,6 +7,7 @@ call                                           ZeroEngine  PipelineEngine  notes
 ``eval_batch(batch)``                          yes         yes             the loss, no step
 ``save_checkpoint`` / ``load_checkpoint``      yes         yes             atomic; resharded
 ``full_state_dict`` / ``saved_state_dict``     yes         yes             whole, on rank 0
+``save_pretrained(dir)``                       yes         raises          streamed, group by group
 ``memory_report()`` / ``comm_stats``           yes         yes
 ``clip_grad_norm_`` / ``no_sync()``            yes         yes
 ``engine(batch)``, ``backward``, ``step``,     yes         raises          a pipeline runs them
@@ -95,6 +96,13 @@ class Engine(abc.ABC):
             f"hf_zero: {type(self).__name__} keeps each stage's parameters whole on its own "
             "ranks; there is nothing to gather. Call engine.full_state_dict() for the whole "
             "model on rank 0"
+        )
+
+    def save_pretrained(self, directory: str | Path, is_main_process: bool = True, **kwargs):
+        raise NotImplementedError(
+            f"hf_zero: {type(self).__name__} does not stream save_pretrained (each stage holds "
+            "its own layers); write model.save_pretrained(dir, state_dict="
+            "engine.saved_state_dict()) on rank 0, or use the Trainer's save_model"
         )
 
     def _train_batch_only(self, call: str) -> NotImplementedError:

@@ -150,6 +150,7 @@ class ZeroEngine(Engine):
         self.state_dict_hooks = StateDictHooks(
             self.module, self.units, self.topology.dp_control, self.tp, self.comm
         )
+        pretrained_save.route_model_save(self)
 
     def _build_step(self, optimizer, lr_scheduler) -> None:
         """The loss scaler, the gradient reducer, the sharded optimizer and the counters."""

@@ -36,6 +36,7 @@ from accelerate.scheduler import AcceleratedScheduler
 
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine import Engine, ZeroEngine, initialize
+from hf_zero.engine.pretrained_save import streamable
 from hf_zero.optim.deepspeed_schedules import DeepSpeedSchedule
 
 logger = logging.getLogger(__name__)
@@ -350,6 +351,18 @@ class ZeroAccelerator(Accelerator):
         if engine is None:
             return super().get_state_dict(model, unwrap)
         return engine.saved_state_dict()
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        """Hugging Face safetensors written one group at a time (collective; see
+        `hf_zero.engine.pretrained_save`), where the engine can stream them; Accelerate's own
+        ``save_model`` (the whole state dict on rank 0) otherwise."""
+        engine = getattr(model, "_hf_zero_engine", None) or self.engine
+        if engine is None or engine.is_pipeline or not safe_serialization or not streamable(engine):  # fmt: skip
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        engine.save_pretrained(
+            save_directory, is_main_process=self.is_main_process, max_shard_size=max_shard_size
+        )
+        return None
 
     def end_training(self) -> None:
         """Wait for every rank, then tear the process group down (as Accelerate does)."""

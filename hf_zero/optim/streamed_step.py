@@ -29,8 +29,9 @@ DEFAULT_TILE = 1 << 22  # elements: 16 MiB per fp32 tensor per buffer set
 class _Tile:
     """One buffer set: a tile's tensors, its reads and the writes that must end before reuse."""
 
-    def __init__(self, state: SwappedState, keys: list[str], numel: int) -> None:
-        self.buffers = {k: state.space.buffer(numel, state.dtypes[k]) for k in keys}
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.buffers: dict[str, torch.Tensor] = {}
         self.reads: list = []
         self.writes: list = []
         self.range = (0, 0)
@@ -39,21 +40,26 @@ class _Tile:
         self.drain()
         self.range = (start, end)
         for key in keys:
-            view = self.buffers[key][: end - start]
-            offset = start * view.element_size()
-            self.reads.append(state.files[key].read_async(view, offset))
+            view = self.view(state, key)
+            self.reads.append(state.files[key].read_async(view, start * view.element_size()))
 
-    def ready(self) -> dict[str, torch.Tensor]:
+    def view(self, state: SwappedState, key: str) -> torch.Tensor:
+        """This set's buffer for ``key`` (made on first use), cut to the tile."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.dtype != state.dtypes[key]:
+            buffer = self.buffers[key] = state.space.buffer(self.numel, state.dtypes[key])
+        start, end = self.range
+        return buffer[: end - start]
+
+    def ready(self) -> None:
         for done in self.reads:
             done.result()
         self.reads = []
-        start, end = self.range
-        return {k: b[: end - start] for k, b in self.buffers.items()}
 
     def store(self, state: SwappedState, keys: list[str]) -> None:
-        start, end = self.range
+        start = self.range[0]
         for key in keys:
-            view = self.buffers[key][: end - start]
+            view = self.view(state, key)
             self.writes.append(state.files[key].write_async(view, start * view.element_size()))
 
     def drain(self) -> None:
@@ -62,89 +68,111 @@ class _Tile:
         self.reads, self.writes = [], []
 
 
+class _GroupStep:
+    """One group's part of the step: its tiles, and what its first tile learns."""
+
+    def __init__(self, group, param_group: dict, tile_numel: int) -> None:
+        self.group = group
+        self.state: SwappedState = group.swapped
+        self.param_group = param_group
+        numel = self.state.numel
+        self.tile = min(tile_numel, numel)
+        self.bounds = [(s, min(s + self.tile, numel)) for s in range(0, numel, self.tile)]
+        # On the group's first step every tile starts from empty state, as torch's optimizers
+        # do for a new parameter; the state tensors get their files after the first tile.
+        self.initial = not self.state.state_keys
+        self.read_keys = ["master", "grad", *self.state.state_keys]
+        self.scalars = self.state.scalars
+
+
 def streamed_step(
     optimizer: torch.optim.Optimizer,
     groups: list,
     fast_kernel: bool,
     on_tile: Callable[[object, int, int, torch.Tensor], None],
-    tile_numel: int = DEFAULT_TILE,
+    tile_numel: int | None = None,
     buffer_count: int = 4,
 ) -> None:
-    """Step every NVMe-offloaded group in ``groups`` that has a gradient, tile by tile.
+    """Step every NVMe-offloaded group in ``groups`` that has a gradient, tile by tile
+    (``tile_numel`` elements each, `DEFAULT_TILE` unless given).
 
-    ``on_tile(group, start, end, values)`` receives each updated master tile (to write the
-    16-bit parameters) before its buffers are reused.
+    The tiles of all groups form one pipeline: the reads of the next group's first tiles are in
+    flight while the last tiles of this one are stepped (a group of one or two tiles would
+    otherwise leave the disk idle at every group boundary). ``on_tile(group, start, end,
+    values)`` receives each updated master tile (to write the parameters) before its buffers
+    are reused.
     """
+    tile_numel = tile_numel or DEFAULT_TILE
+    if tile_numel % 1024:
+        raise ValueError(
+            f"hf_zero: a streamed step's tile is {tile_numel} elements; it must be a multiple "
+            "of 1024 (whole 4 KiB blocks of fp32, as O_DIRECT reads and writes them)"
+        )
     param_groups = optimizer.param_groups
     members = [pg["params"] for pg in param_groups]
     try:
+        work = []
         for group in groups:
             state = group.swapped
             if state is None or not state.grads.present:
                 continue
             state.grads.settle()
-            param_group = param_groups[group.param_group_index]
-            _step_group(optimizer, param_group, group, fast_kernel, on_tile, tile_numel,
-                        buffer_count)  # fmt: skip
+            work.append(_GroupStep(group, param_groups[group.param_group_index], tile_numel))
+        if work:
+            _run(optimizer, work, fast_kernel, on_tile, buffer_count)
     finally:
         optimizer.param_groups = param_groups
         for pg, params in zip(param_groups, members):
             pg["params"] = params
 
 
-def _step_group(optimizer, param_group, group, fast_kernel, on_tile, tile_numel, buffer_count):
-    state: SwappedState = group.swapped
-    numel = state.numel
-    tile = min(tile_numel, numel)
-    # On the group's first step every tile starts from empty state, as torch's optimizers do
-    # for a new parameter; the state tensors they create get their files after the first tile.
-    initial = not state.state_keys
-    read_keys = ["master", "grad", *state.state_keys]
-    factors = state.grads.factors
-    bounds = [(s, min(s + tile, numel)) for s in range(0, numel, tile)]
-    ring = [_Tile(state, read_keys, tile) for _ in range(min(buffer_count, len(bounds)))]
-    for k, slot in enumerate(ring):
-        slot.load(state, read_keys, *bounds[k])
-    new_scalars = state.scalars
-    for k, (start, end) in enumerate(bounds):
-        slot = ring[k % len(ring)]
-        tensors = slot.ready()
-        param = torch.nn.Parameter(tensors["master"], requires_grad=False)
-        param.grad = tensors["grad"]
-        for factor in factors:
+def _run(optimizer, work: list[_GroupStep], fast_kernel, on_tile, buffer_count: int) -> None:
+    tiles = [(step, k, *bounds) for step in work for k, bounds in enumerate(step.bounds)]
+    ring = [_Tile(max(s.tile for s in work)) for _ in range(min(buffer_count, len(tiles)))]
+    for slot, (step, _, start, end) in zip(ring, tiles):
+        slot.load(step.state, step.read_keys, start, end)
+    for i, (step, k, start, end) in enumerate(tiles):
+        slot = ring[i % len(ring)]
+        slot.ready()
+        state = step.state
+        master = slot.view(state, "master")
+        param = torch.nn.Parameter(master, requires_grad=False)
+        param.grad = slot.view(state, "grad")
+        for factor in state.grads.factors:
             param.grad.mul_(factor)
-        tile_state = {} if initial else {key: tensors[key] for key in state.state_keys}
+        tile_state = (
+            {} if step.initial else {key: slot.view(state, key) for key in state.state_keys}
+        )
         for key, value in state.scalars.items():
             tile_state[key] = value.clone() if torch.is_tensor(value) else value
         optimizer.state[param] = tile_state
-        param_group["params"] = [param]
-        optimizer.param_groups = [param_group]
+        step.param_group["params"] = [param]
+        optimizer.param_groups = [step.param_group]
         try:
             adam_step(optimizer) if fast_kernel else optimizer.step()
         finally:
             new_state = optimizer.state.pop(param, {})
-        if initial:
+        if step.initial:
             if k == 0:
-                _adopt_keys(state, new_state, end - start, ring)
+                _adopt_keys(state, new_state, end - start)
             for key in state.state_keys:
-                slot.buffers[key][: end - start].copy_(new_state[key].reshape(-1))
-        new_scalars = {key: v for key, v in new_state.items() if key not in state.state_keys}
-        on_tile(group, start, end, tensors["master"])
+                slot.view(state, key).copy_(new_state[key].reshape(-1))
+        step.scalars = {key: v for key, v in new_state.items() if key not in state.state_keys}
+        on_tile(step.group, start, end, master)
         slot.store(state, ["master", *state.state_keys])
-        if k + len(ring) < len(bounds):
-            slot.load(state, read_keys, *bounds[k + len(ring)])
+        if i + len(ring) < len(tiles):
+            following, _, lo, hi = tiles[i + len(ring)]
+            slot.load(following.state, following.read_keys, lo, hi)
     for slot in ring:
         slot.drain()
-    state.scalars = new_scalars
-    state.grads.clear()
+    for step in work:
+        step.state.scalars = step.scalars
+        step.state.grads.clear()
 
 
-def _adopt_keys(state: SwappedState, new_state: dict, tile: int, ring: list[_Tile]) -> None:
-    """After the first tile's first step: give each elementwise state tensor a file and a
-    buffer in every set (later tiles read them like the master)."""
+def _adopt_keys(state: SwappedState, new_state: dict, tile: int) -> None:
+    """After the first tile's first step: give each elementwise state tensor a file (later
+    tiles read and write it like the master; the buffer sets make its buffers on first use)."""
     for key, value in new_state.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.numel() == tile:
             state.add_key(key, value.dtype)
-            for slot in ring:
-                size = slot.buffers["master"].numel()
-                slot.buffers[key] = state.space.buffer(size, value.dtype)
