@@ -401,6 +401,7 @@ def main(argv=None) -> int:
             runs[name] = launch_ranks(
                 script, args.nproc, [*flags, "--ds_device", device], stem, name, args.timeout
             )
+            shutil.rmtree(Path(args.nvme_path) / "zero_stage_3", ignore_errors=True)  # its swap
     summary = summarize(disk, runs)
     summary["args"] = {k: v for k, v in vars(args).items() if k in FORWARDED}
     out = Path(args.out) / "bench_infinity.json"

@@ -218,7 +218,10 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
         f"{'disk GiB':>9}"
     )
     for label, offload_param in (("optimizer", False), ("opt+param", True)):
-        m = infinity_bytes(shape, args.dp, args.precision, offload_param)
+        prefetch = int(0.9 * shape.hidden**2)  # stage3_prefetch_bucket_size: auto
+        m = infinity_bytes(
+            shape, args.dp, args.precision, offload_param, prefetch_bucket_size=prefetch
+        )
         print(
             f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "
             f"{m['working_set'] / gib:>14.2f} {m['nvme_total'] / gib:>9.2f}"

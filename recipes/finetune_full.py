@@ -4,7 +4,8 @@
         recipes/finetune_full.py --zero_stage 2 --output_dir outputs/full
 
 The same data options as finetune_lora.py; every parameter trains. ``save_model`` writes the
-whole model gathered from the shards: ``AutoModelForCausalLM.from_pretrained(output_dir)``.
+whole model, gathered from the shards one group at a time (Hugging Face sharded safetensors):
+``AutoModelForCausalLM.from_pretrained(output_dir)``.
 An existing DeepSpeed JSON works as it is: ``--zero_config ds_config.json``.
 
 ``--model_config config.json`` trains a model built from a config instead (random initial

@@ -105,3 +105,34 @@ def test_streamed_save_equals_the_gathered_state_dict_and_loads(tmp_path, mode, 
     assert not mismatched, mismatched
     config = json.loads((saved / "config.json").read_text())
     assert config["dtype"] == str(next(iter(whole.values())).dtype).removeprefix("torch.")
+
+
+def _adapter_save(out: str) -> dict:
+    from helpers import lora_engine, lora_model, train_on_corpus
+    from peft import get_peft_model_state_dict
+
+    model = lora_model()
+    engine = lora_engine(model)
+    train_on_corpus(engine, 2)
+    calls = []
+    hooks_gather = engine.state_dict_hooks._gather
+    engine.state_dict_hooks._gather = lambda groups: (
+        calls.append(len(groups)) or hooks_gather(groups)
+    )
+    model.save_pretrained(out, is_main_process=dist.get_rank() == 0)
+    gathered_by_hooks = sum(calls)  # the routed save never asks for model.state_dict()
+    engine.state_dict_hooks._gather = hooks_gather
+    whole = get_peft_model_state_dict(model)  # collective: the whole model through the hooks
+    dist.barrier()
+    return {"adapter": {k: v.clone() for k, v in whole.items()}, "hooks": gathered_by_hooks}
+
+
+def test_a_peft_save_gathers_the_adapter_alone(tmp_path):
+    """Under stage 3 a PEFT model's own ``save_pretrained(dir)`` takes the adapter gathered by
+    itself (the frozen base never gathered) and writes what PEFT writes from the whole model."""
+    r = run_distributed(_adapter_save, 2, args=(str(tmp_path),))[0]
+    assert r["hooks"] == 0
+    written = load_file(tmp_path / "adapter_model.safetensors")
+    expected = {k: v for k, v in r["adapter"].items()}
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[k], expected[k].to(written[k].dtype)) for k in expected)

@@ -35,7 +35,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_zero.engine.full_state_dict import exported_groups, saved_export, state_dict_pieces
+from hf_zero.engine.full_state_dict import (
+    exported_groups,
+    saved_export,
+    saved_state_dict,
+    state_dict_pieces,
+)
 from hf_zero.storage.safetensors import write_streamed
 
 if TYPE_CHECKING:
@@ -60,12 +65,16 @@ def streamable(engine: ZeroEngine) -> bool:
 def route_model_save(engine: ZeroEngine) -> None:
     """Make the model's own ``save_pretrained(dir)`` (no ``state_dict``, safetensors, no hub
     push) stream through `save_pretrained` under stage 3, instead of the state-dict hooks'
-    whole CPU copy on every rank; any other call goes to transformers' own as before."""
+    whole CPU copy on every rank; any other call goes to transformers' own as before. A PEFT
+    model's save gets its adapter gathered alone (`_adapter_save`)."""
     model = engine.module
+    original = getattr(model, "save_pretrained", None)
+    engine_ref = weakref.ref(engine)
+    if original is not None and hasattr(model, "peft_config") and engine.tp is None:
+        model.save_pretrained = _adapter_save(original, engine_ref)
+        return
     if not streamable(engine):
         return
-    original = model.save_pretrained
-    engine_ref = weakref.ref(engine)
 
     @functools.wraps(original)
     def save(save_directory, is_main_process=True, state_dict=None, max_shard_size="50GB", **kw):
@@ -80,6 +89,20 @@ def route_model_save(engine: ZeroEngine) -> None:
         return None
 
     model.save_pretrained = save
+
+
+def _adapter_save(original: Callable, engine_ref: weakref.ref) -> Callable:
+    """A PEFT model's ``save_pretrained``: given the adapter's parameters gathered (every rank
+    gets them: they are small), so PEFT never asks for the whole model's state dict."""
+
+    @functools.wraps(original)
+    def save(save_directory, *args, **kw):
+        live = engine_ref()
+        if live is not None and kw.get("state_dict") is None:
+            kw["state_dict"] = saved_state_dict(live, rank0_only=False, only_trainable=True)
+        return original(save_directory, *args, **kw)
+
+    return save
 
 
 @dataclass
