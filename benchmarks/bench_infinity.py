@@ -1,20 +1,22 @@
-"""ZeRO-Infinity side by side: stage 3 with model states on device, in CPU memory, on NVMe.
+"""ZeRO-Infinity side by side: stage 3 with model states on device, in CPU memory, on NVMe, and
+DeepSpeed's ZeRO-Infinity on the same model and machine.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_infinity.py --hidden 1024 --layers 24 \
-        --nvme_path /tmp/hf_zero_bench_nvme
+    OMP_NUM_THREADS=1 PYTHONPATH=/work/dslib python benchmarks/bench_infinity.py --hidden 1024 \
+        --layers 24 --nvme_path /tmp/hf_zero_bench_nvme --deepspeed
 
 First the disk: a ``--bw_gib`` GiB file in ``--nvme_path`` is written and read back sequentially
-through the same swap I/O the NVMe tiers use (`hf_zero.storage.swap`: O_DIRECT, aligned 16 MiB requests,
-``--io_threads`` threads), by ``--nproc`` processes at once, as the ranks share the disk in
-training. Then, per configuration, a fresh group of ``--nproc`` ranks (gloo, one thread each)
-builds a LLaMA-style model inside `hf_zero.partitioned_init()` (never whole on a rank), runs
-``--steps`` AdamW steps (torch's fused CPU kernel wherever the optimizer is offloaded) and
-reports per rank: step times, the optimizer step's time and the bytes it read and wrote in swap
-files, VmHWM (peak RSS) from process start (``peak``) and over the steps only (``peak_steps``),
-VmRSS at ``base`` (imports and process group, nothing built), and `memory_report()`. The
-working set it is compared with: three of the largest unit (running, prefetched, its gradient),
-the prefetch budget, activations (`hf_zero.memory`), and under NVMe the I/O buffers at their
-fullest (read-ahead shards, the step's tile sets).
+through the same swap I/O the NVMe tiers use (`hf_zero.storage.swap`: O_DIRECT, aligned 16 MiB
+requests, ``--io_threads`` threads), by ``--nproc`` processes at once, as the ranks share the
+disk in training. Then, per configuration, a fresh group of ``--nproc`` ranks (gloo, one thread
+each) lives a whole run: builds a LLaMA-style model inside `hf_zero.partitioned_init()` (never
+whole on a rank), runs ``--steps`` AdamW steps (torch's fused CPU kernel wherever the optimizer
+is offloaded), an evaluation forward, and saves the model (the streamed ``save_pretrained``).
+Per rank: step times; the optimizer step's time and the bytes it read and wrote (the kernel's
+count, ``/proc/self/io``: O_DIRECT and libaio alike); VmHWM (peak RSS) from process start over the
+whole run (``peak``) and over the steps (``peak_steps``); VmRSS at ``base`` (imports and process
+group, nothing built); `memory_report()`; and what ``hf-zero estimate`` prints for the
+configuration (model states in memory, stage 3's working set, activations, and under NVMe
+`hf_zero.memory.infinity_bytes`' I/O buffers), against which the growth over ``base`` is read.
 
 The NVMe optimizer step reads and writes at once, so its bound is the time the disk needs for
 its bytes at the measured rate of that mix (the ``mixed`` phase: every process reads its first
@@ -22,9 +24,10 @@ file while writing a second): ``(read_bytes + write_bytes) / mixed_bw``, all ran
 disk. ``bound / step`` is the fraction of that bound the step reaches (1.0 = disk-limited).
 ``--reduce_bucket_size auto`` (h^2, what the Hugging Face DeepSpeed JSONs ask for) everywhere.
 
-DeepSpeed's ZeRO-Infinity runs its NVMe path through its async_io op, which needs libaio's
-headers (``libaio-dev``); where they are missing the table says so instead of a row.
-Writes ``--out/bench_infinity.json``. Timings here are never asserted anywhere.
+``--deepspeed`` adds DeepSpeed 0.19.8's ``cpu/cpu`` and ``nvme/nvme`` rows
+(`infinity_rank_deepspeed.py`: its NVMe path needs the async_io op, built from libaio's headers,
+``apt-get install libaio-dev``); where DeepSpeed cannot run the table says why. Writes
+``--out/bench_infinity.json``. Timings here are never asserted anywhere.
 """
 
 from __future__ import annotations
@@ -321,10 +324,11 @@ def table(summary: dict) -> str:
         f"read {d['read_gbps']:.2f} GB/s, write {d['write_gbps']:.2f} GB/s, read and write at "
         f"once {d['mixed_gbps']:.2f} GB/s (the bound below)",
         "",
-        "| config | step (s) | vs stage 3 | vs DeepSpeed | optimizer step (s) | disk bound (s) "
-        "| bound / step | peak RSS (MB) | vs DeepSpeed | growth (MB) | growth vs stage 3 "
-        "| estimate (MB) | growth / estimate | disk per rank (MB) | save (s) | final loss |",
-        "|---|" + "---:|" * 15,
+        "| config | step (s) | vs stage 3 | vs DeepSpeed | optimizer step (s) | step I/O r/w (MB) "
+        "| disk bound (s) | bound / step | peak RSS (MB) | vs DeepSpeed | growth (MB) "
+        "| growth vs stage 3 | estimate (MB) | growth / estimate | disk per rank (MB) | save (s) "
+        "| final loss |",
+        "|---|" + "---:|" * 16,
     ]
     for name, r in summary["rows"].items():
         bound = f"{r['io_bound_s']:.2f}" if "io_bound_s" in r else ""
@@ -333,7 +337,9 @@ def table(summary: dict) -> str:
         cells = [
             name, f"{r['step_s']:.2f}", f"{r.get('step_vs_stage3', 1):.2f}x",
             f"{r['step_vs_deepspeed']:.2f}x" if "step_vs_deepspeed" in r else "",
-            f"{r['optimizer_step_s']:.2f}", bound, frac, f"{r['peak_rss_mb']:.0f}",
+            f"{r['optimizer_step_s']:.2f}",
+            f"{r['io_read_mb']:.0f} / {r['io_write_mb']:.0f}" if "io_read_mb" in r else "",
+            bound, frac, f"{r['peak_rss_mb']:.0f}",
             f"{r['peak_vs_deepspeed']:.2f}x" if "peak_vs_deepspeed" in r else "",
             f"{r['growth_mb']:.0f}", f"{r.get('rss_growth_vs_stage3', 1):.2f}x",
             f"{est:.0f}" if est else "", f"{r['growth_mb'] / est:.2f}" if est else "",

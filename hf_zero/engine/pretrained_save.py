@@ -18,7 +18,8 @@ complete, so a failed save leaves no half-written weights file under a real name
 
 Not streamed (``saved_state_dict`` + ``save_pretrained`` instead): tensor-parallel models (their
 weights are gathered over the TP group as a whole) and bitsandbytes bases (their quantization
-state is written with them); `streamable` says which.
+state is written with them); `streamable` says which. A PEFT model saves its adapter, which is
+small: it is gathered alone (`route_model_save`), never the base.
 """
 
 from __future__ import annotations
