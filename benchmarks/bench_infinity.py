@@ -130,25 +130,7 @@ def train_worker(args) -> dict:
     engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), **zero)
     initialized = proc_status()
     reset_peak()
-    swap = engine.swaps.get("offload_optimizer")
-    gen = torch.Generator().manual_seed(1000 + rank)
-    steps, opt_steps, losses, io, os_io = [], [], [], [], []
-    for _ in range(args.steps):
-        x = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        before, os_before = dict(swap.stats) if swap else {}, proc_io()
-        opt_start = time.perf_counter()
-        engine.step()
-        end = time.perf_counter()
-        os_after = proc_io()
-        steps.append(end - start)
-        opt_steps.append(end - opt_start)
-        io.append({k: swap.stats[k] - before[k] for k in before} if swap else {})
-        os_io.append({k: os_after[k] - os_before[k] for k in os_after})
-        losses.append(loss.item())
+    record, x = timed_steps(engine, args, rank, engine.swaps.get("offload_optimizer"))
     peak_steps = proc_status()
     # The rest of a run's life: an evaluation forward, then the model saved (streamed).
     with torch.no_grad():
@@ -174,16 +156,41 @@ def train_worker(args) -> dict:
         "build_peak": initialized["VmHWM"],
         "peak": max(initialized["VmHWM"], whole_run["VmHWM"]),  # from process start
         "peak_steps": peak_steps["VmHWM"],
-        "steps": steps,
-        "optimizer_steps": opt_steps,
-        "optimizer_io": io,
-        "os_io": os_io,
-        "losses": losses,
+        **record,
         "save_s": save_s,
         "memory_report": report,
         "estimate": _estimate(shape, engine, args, offload_param, offload_optimizer),
         "largest_shard": largest_shard,
     }
+
+
+def timed_steps(engine, args, rank: int, swap=None) -> tuple[dict, object]:
+    """``args.steps`` steps on this rank's random batches, timed and counted the same way for
+    every engine (hf_zero's and DeepSpeed's): each step's time, its optimizer step's time and
+    the bytes the process read and wrote meanwhile (``os_io``; ``optimizer_io``: the swap
+    space's own count, given ``swap``), and the losses. Returns them and the last batch."""
+    import torch
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    record = {"steps": [], "optimizer_steps": [], "optimizer_io": [], "os_io": [], "losses": []}
+    for _ in range(args.steps):
+        x = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        before, os_before = dict(swap.stats) if swap else {}, proc_io()
+        opt_start = time.perf_counter()
+        engine.step()
+        end = time.perf_counter()
+        os_after = proc_io()
+        record["steps"].append(end - start)
+        record["optimizer_steps"].append(end - opt_start)
+        record["optimizer_io"].append({k: swap.stats[k] - v for k, v in before.items()})
+        record["os_io"].append({k: os_after[k] - os_before[k] for k in os_after})
+        record["losses"].append(loss.item())
+    return record, x
 
 
 def _estimate(shape, engine, args, offload_param: str, offload_optimizer: str) -> float:

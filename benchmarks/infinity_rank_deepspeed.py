@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -32,7 +31,8 @@ def run(args) -> dict:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from bench_memory import proc_io, proc_status, reset_peak
+    from bench_infinity import timed_steps
+    from bench_memory import proc_status, reset_peak
     from common import llama_shape
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -85,23 +85,7 @@ def run(args) -> dict:
     )
     initialized = proc_status()
     reset_peak()
-    gen = torch.Generator().manual_seed(1000 + rank)
-    steps, opt_steps, losses, io = [], [], [], []
-    for _ in range(args.steps):
-        x = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        before = proc_io()
-        opt_start = time.perf_counter()
-        engine.step()
-        end = time.perf_counter()
-        after = proc_io()
-        steps.append(end - start)
-        opt_steps.append(end - opt_start)
-        io.append({k: after[k] - before[k] for k in after})
-        losses.append(loss.item())
+    record, _ = timed_steps(engine, args, rank)  # as hf_zero's rows are timed
     peak = proc_status()
     dist.barrier()
     return {
@@ -112,10 +96,7 @@ def run(args) -> dict:
         "build_peak": initialized["VmHWM"],
         "peak": max(initialized["VmHWM"], peak["VmHWM"]),
         "peak_steps": peak["VmHWM"],
-        "steps": steps,
-        "optimizer_steps": opt_steps,
-        "os_io": io,
-        "losses": losses,
+        **record,
     }
 
 

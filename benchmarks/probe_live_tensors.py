@@ -57,38 +57,23 @@ def owners(engine, model) -> dict[int, str]:
         if torch.is_tensor(tensor) and tensor.numel():
             named.setdefault(tensor.untyped_storage().data_ptr(), label)
 
+    def scan(obj, label: str, held: str | None = None) -> None:
+        """Each tensor attribute of ``obj``; with ``held``, also the tensors it keeps in a tuple
+        or list attribute (a read in flight, a copy waiting for its write)."""
+        for name, value in vars(obj).items() if obj is not None else ():
+            add(value, f"{label} {name.strip('_')}")
+            for item in value if held and isinstance(value, list | tuple) else ():
+                add(item[0] if isinstance(item, tuple) and item else item, held)
+
     for i, group in enumerate(engine.groups + engine.frozen_groups):
         add(group.flat_param, f"group {i}: gathered flat buffer ({group.layout.slots[0].name})")
-        for name, value in vars(group).items():
-            if torch.is_tensor(value):
-                add(value, f"group {i}: {name}")
-        intake = getattr(group, "intake", None)
-        for name, value in vars(intake).items() if intake is not None else ():
-            if torch.is_tensor(value):
-                add(value, f"group {i}: gradient intake {name}")
-        codec = getattr(group, "reduce_codec", None)
-        for name, value in vars(codec).items() if codec is not None else ():
-            if torch.is_tensor(value):
-                add(value, f"group {i}: reduction in flight ({name.strip('_')})")
-        tier = getattr(group, "tier", None)
-        for name, value in vars(tier).items() if tier is not None else ():
-            if torch.is_tensor(value):
-                add(value, f"group {i}: tier {name}")
-            if isinstance(value, tuple) and value and torch.is_tensor(value[0]):
-                add(value[0], f"group {i}: tier read-ahead buffer")
-        master = group.master_weights
-        for name, value in vars(master).items():
-            if torch.is_tensor(value):
-                add(value, f"group {i}: master {name}")
-        grads = getattr(master, "grads", None)
-        for name, value in vars(grads).items() if grads is not None else ():
-            if torch.is_tensor(value):
-                add(value, f"group {i}: gradient store {name}")
-            if isinstance(value, list | tuple):
-                for v in value:
-                    item = v[0] if isinstance(v, tuple) and v else v
-                    if torch.is_tensor(item):
-                        add(item, f"group {i}: gradient store {name} (pending write)")
+        scan(group, f"group {i}:")
+        scan(getattr(group, "intake", None), f"group {i}: gradient intake")
+        scan(getattr(group, "reduce_codec", None), f"group {i}: reduction in flight,")
+        scan(getattr(group, "tier", None), f"group {i}: tier", f"group {i}: tier read-ahead buffer")
+        scan(group.master_weights, f"group {i}: master")
+        grads = getattr(group.master_weights, "grads", None)
+        scan(grads, f"group {i}: gradient store", f"group {i}: gradient store (pending write)")
     for p in model.parameters():
         if p.grad is not None:
             add(p.grad, "a parameter's .grad")
@@ -182,7 +167,9 @@ def rank_main(args) -> dict:
             "next_launch": reducer._next_launch,
         })  # fmt: skip
         for ptr, info in sorted(live.items(), key=lambda kv: -kv[1]["bytes"]):
-            owner = named.get(ptr) or labels.get(ptr) or "not the engine's: an activation"
+            owner = (
+                named.get(ptr) or labels.get(ptr) or "not attributed: no engine attribute holds it"
+            )
             found.append({**info, "owner": owner, "units": info["bytes"] / unit})
 
     middle.register_full_backward_pre_hook(probe)

@@ -59,7 +59,7 @@ def state_dict_pieces(engine: ZeroEngine, export: Export) -> Iterator[dict[str, 
     then one of everything else. Collective: every rank must consume every piece. Tied keys
     share one tensor within a piece."""
     tp = engine.tp  # TP-split tensors are gathered over the TP group: every rank takes part
-    keys = _keys_by_param(engine.module)
+    keys = keys_by_param(engine.module)
     widened: list[str] = []
 
     def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
@@ -168,7 +168,7 @@ def _state_dict_keys(model: torch.nn.Module) -> list[str]:
     return list(model.state_dict(keep_vars=True))
 
 
-def _keys_by_param(model: torch.nn.Module) -> dict[int, list[str]]:
+def keys_by_param(model: torch.nn.Module) -> dict[int, list[str]]:
     """Each parameter's state-dict keys (``<module>.weight``; several when tied), by id."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):

@@ -38,6 +38,7 @@ import torch
 
 from hf_zero.engine.full_state_dict import (
     exported_groups,
+    keys_by_param,
     saved_export,
     saved_state_dict,
     state_dict_pieces,
@@ -176,13 +177,8 @@ def piece_specs(
     """The specs of the pieces `state_dict_pieces` will yield, in order, read from the
     parameters' metadata (nothing gathered)."""
     model = engine.module
-    keys = set(model.state_dict(keep_vars=True))
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for attr, p in module._parameters.items():
-            key = f"{name}.{attr}" if name else attr
-            if p is not None and key in keys:
-                owners.setdefault(id(p), []).append(key)
+    state = model.state_dict(keep_vars=True)
+    owners = keys_by_param(model)
 
     def dtype_of(p: torch.Tensor, trainable: bool) -> torch.dtype:
         loaded = engine.loaded_dtypes.get(id(p)) if original_dtypes else None
@@ -196,12 +192,13 @@ def piece_specs(
         for p in group.params:
             shape = tuple(getattr(p, "ds_shape", None) or p.shape)
             for key in owners.get(id(p), ()):
-                piece[key] = (dtype_of(p, group.trainable), shape)
+                if key in state:
+                    piece[key] = (dtype_of(p, group.trainable), shape)
             done.add(id(p))
         specs.append(piece)
     rest = {}
     names = dict(model.named_parameters(remove_duplicate=False))
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    for key, tensor in state.items():
         p = names.get(key)
         if p is not None and id(p) in done:
             continue

@@ -77,7 +77,6 @@ def open_space(
     space = _open_spaces.get(Path(root))
     if space is None or space._closed:
         space = _open_spaces[Path(root)] = SwapSpace(root, rank, threads)
-        space.holders = 0
     space.holders += hold
     return space
 
@@ -105,8 +104,8 @@ class SwapSpace:
         self.stats = {"read_bytes": 0, "write_bytes": 0}
         """Bytes moved to and from this rank's swap files (padding included)."""
         self._closed = False
-        self.holders = 1
-        """Callers that will `close` it (`open_space`)."""
+        self.holders = 0
+        """Callers of `open_space` that will `close` it; made directly, its one `close` ends it."""
         atexit.register(self.shutdown)
         swap_folders.remove_on_signal(self.shutdown)
 
