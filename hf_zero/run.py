@@ -119,9 +119,14 @@ def ddp_timeout_of(script_args: list[str]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    scripts = [i for i, arg in enumerate(argv) if arg.endswith(".py") and not arg.startswith("-")]
+    if argv and argv[0].startswith("-") and scripts:  # hf_zero flags before the script
+        argv = argv[scripts[0] :] + argv[: scripts[0]]
     if not argv or argv[0].startswith("-"):
         print(
-            "usage: python -m hf_zero.run SCRIPT.py [script args] [hf_zero flags]", file=sys.stderr
+            "usage: python -m hf_zero.run SCRIPT.py [script args] [hf_zero flags]\n"
+            "hf_zero run: error: no script (a .py file) was given",
+            file=sys.stderr,
         )
         return 2
     script, *rest = argv

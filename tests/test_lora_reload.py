@@ -210,8 +210,6 @@ def _train_int4_bf16(out_dir: str, frozen=True) -> dict:
 
 @pytest.mark.parametrize("frozen", [True, "nf4"], ids=["int4", "bitsandbytes-nf4"])
 def test_load_for_inference_replays_int4_in_bf16(tmp_path, frozen):
-    if frozen == "nf4":
-        pytest.importorskip("bitsandbytes")
     r = run_distributed(_train_int4_bf16, 2, args=(str(tmp_path), frozen))[0]
     base = tiny_llama(0, initializer_range=0.3)
     model = hf_zero.load_for_inference(base, tmp_path)  # dtype "auto": bf16, as trained

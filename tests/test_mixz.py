@@ -202,7 +202,6 @@ def _bnb_mixz(kind: str, steps: int) -> dict:
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
 def test_mixz_in_bitsandbytes_4bit_formats(kind):
-    pytest.importorskip("bitsandbytes")
     for r in run_distributed(_bnb_mixz, 2, args=(kind, 40)):
         assert r["checked"] >= 14, r  # every large frozen weight of the 2 layers
         assert r["worst"] == 0.0, r  # bit for bit what bitsandbytes makes of each shard
@@ -236,8 +235,6 @@ def _partitioned_lora(path: str, kind) -> dict:
 def test_lora_on_a_partitioned_build_equals_a_whole_load(tmp_path, kind):
     """PEFT wraps the partitioned root (it answers for the base model's attributes): the
     root's own slices are still found and gathered, and training is exactly the same."""
-    if kind:
-        pytest.importorskip("bitsandbytes")
     tiny_llama(0, initializer_range=0.3).save_pretrained(tmp_path)
     for r in run_distributed(_partitioned_lora, 2, args=(str(tmp_path), kind)):
         assert r["partitioned"] == r["whole"], r

@@ -15,6 +15,7 @@ already in NF4):
   gathered bytes are checked against each rank's checksum of what it loaded).
 """
 
+import bitsandbytes  # noqa: F401  (a test dependency: missing, fail, never skip)
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,8 +27,6 @@ from hf_zero.numerics.packed import is_packed, packed_bytes
 from hf_zero.sharding.stage3.partitioned_load import slice_of
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
-
-pytest.importorskip("bitsandbytes")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bitsandbytes  # noqa: F401  (a test dependency: missing, fail, never skip)
 import pytest
 import torch
 
@@ -24,7 +25,6 @@ import hf_zero
 from hf_zero.numerics.packed import disable_cpu_repacking
 from hf_zero.tiny import tiny_tokenizer
 
-pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 

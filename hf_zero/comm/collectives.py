@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hf_zero.comm import exchange, hierarchical
 from hf_zero.comm.stats import ALGORITHMS, CommStats, tree_child_vranks, wire_bytes
 from hf_zero.comm.topology import Group
+from hf_zero.observe import clock
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.6.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -66,18 +67,21 @@ class Collectives:
         self._tags[group.pg] = (tag + 1) % (1 << 24)
         return tag
 
-    def _exchange(self, start, async_op: bool):
+    def _exchange(self, start, async_op: bool, group: Group):
         """Run an exchange now, or (``async_op``) on the background thread; its handle."""
         if async_op:
-            return self._background.submit(start)
-        start().wait()
+            return clock.collective(lambda: self._background.submit(start), group.spans_nodes, True)
+        clock.collective(lambda: start().wait(), group.spans_nodes, False)
         return None
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, async_op: bool = False):
         if group.size == 1:
             return None
         self._book("all_reduce", _nbytes(tensor), group)
-        return dist.all_reduce(tensor, group=group.pg, async_op=async_op)
+        return clock.collective(
+            lambda: dist.all_reduce(tensor, group=group.pg, async_op=async_op),
+            group.spans_nodes, async_op,
+        )  # fmt: skip
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -98,14 +102,17 @@ class Collectives:
             self._book_hierarchical("reduce_scatter", _nbytes(input), group)
             return self._exchange(
                 lambda: hierarchical.reduce_scatter(output, input, intra, inter, tags, buffers),
-                async_op,
-            )
+                async_op, group,
+            )  # fmt: skip
         self._book("reduce_scatter", _nbytes(input), group, exchanged=tag is not None)
         if tag is None:
-            return reduce_scatter_single(output, input, group=group.pg, async_op=async_op)
+            return clock.collective(
+                lambda: reduce_scatter_single(output, input, group=group.pg, async_op=async_op),
+                group.spans_nodes, async_op,
+            )  # fmt: skip
         buffers = exchange.receive_buffers(output, group)
         return self._exchange(
-            lambda: exchange.reduce_scatter(output, input, group, tag, buffers), async_op
+            lambda: exchange.reduce_scatter(output, input, group, tag, buffers), async_op, group
         )
 
     def all_gather(
@@ -125,12 +132,15 @@ class Collectives:
             self._book_hierarchical("all_gather", _nbytes(output), group)
             held = input.new_empty(inter.size * input.numel())
             return self._exchange(
-                lambda: hierarchical.all_gather(output, input, intra, inter, tags, held), async_op
-            )
+                lambda: hierarchical.all_gather(output, input, intra, inter, tags, held),
+                async_op, group,
+            )  # fmt: skip
         if tag is None:
             return self.all_gather_native(output, input, group, async_op)
         self._book("all_gather", _nbytes(output), group, exchanged=True)
-        return self._exchange(lambda: exchange.all_gather(output, input, group, tag), async_op)
+        return self._exchange(
+            lambda: exchange.all_gather(output, input, group, tag), async_op, group
+        )
 
     def all_gather_native(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -141,7 +151,10 @@ class Collectives:
             output.copy_(input)
             return None
         self._book("all_gather", _nbytes(output), group)
-        return all_gather_single(output, input, group=group.pg, async_op=async_op)
+        return clock.collective(
+            lambda: all_gather_single(output, input, group=group.pg, async_op=async_op),
+            group.spans_nodes, async_op,
+        )  # fmt: skip
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False
@@ -151,21 +164,29 @@ class Collectives:
             output.copy_(input)
             return None
         self._book("all_to_all", _nbytes(input), group)
-        return dist.all_to_all_single(output, input, group=group.pg, async_op=async_op)
+        return clock.collective(
+            lambda: dist.all_to_all_single(output, input, group=group.pg, async_op=async_op),
+            group.spans_nodes, async_op,
+        )  # fmt: skip
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> None:
         """Broadcast from global rank ``src``."""
         if group.size == 1:
             return
         self._book("broadcast", _nbytes(tensor), group, src=src)
-        dist.broadcast(tensor, src=src, group=group.pg)
+        clock.collective(
+            lambda: dist.broadcast(tensor, src=src, group=group.pg), group.spans_nodes, False
+        )
 
     def all_reduce_max(self, tensor: torch.Tensor, group: Group) -> None:
         """Small control-plane reduction (overflow flags); booked like any all-reduce."""
         if group.size == 1:
             return
         self._book("all_reduce", _nbytes(tensor), group)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.pg)
+        clock.collective(
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.pg),
+            group.spans_nodes, False,
+        )  # fmt: skip
 
     def barrier(self, group: Group, monitored_timeout: timedelta | None = None) -> None:
         """Wait for every rank of ``group`` (booked as a 0-byte ``barrier`` call).
@@ -176,9 +197,14 @@ class Collectives:
             return
         self._book("barrier", 0, group)
         if monitored_timeout is None:
-            dist.barrier(group=group.pg)
+            clock.collective(lambda: dist.barrier(group=group.pg), group.spans_nodes, False)
         else:
-            dist.monitored_barrier(group.pg, timeout=monitored_timeout, wait_all_ranks=True)
+            clock.collective(
+                lambda: dist.monitored_barrier(
+                    group.pg, timeout=monitored_timeout, wait_all_ranks=True
+                ),
+                group.spans_nodes, False,
+            )  # fmt: skip
 
     # --- accounting ---------------------------------------------------------------------------
     def for_purpose(self, purpose: str) -> Collectives:

@@ -35,6 +35,7 @@ from hf_zero.numerics.quant import (
     quantize_rows,
     quantize_segments,
 )
+from hf_zero.observe import clock
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class ZeroPPSettings:
     (bitsandbytes' 4-bit formats)."""
 
 
+@clock.timed("quantize")
 def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> Quantized:
     """A flat shard as one quantized row (one smaller block if the shard is short)."""
     return quantize_rows(shard.view(1, -1), bits, fitted_block_size(shard.numel(), block_size))
@@ -96,7 +98,8 @@ class QuantizedGather:
         for work in self._works:
             if work is not None:
                 work.wait()
-        dequantize_rows_into(self.gathered, self.output)
+        with clock.phase("quantize"):
+            dequantize_rows_into(self.gathered, self.output)
 
 
 class QuantizedReduceScatter:
@@ -195,6 +198,7 @@ class QuantizedReduceScatter:
             dequantize_rows_into(piece, total, accumulate=node > 0)
         return total.view(-1)
 
+    @clock.timed("quantize")
     def _quantize(self, step: str, rows: list[list[torch.Tensor]], block: int) -> Quantized:
         """Quantize rows given as lists of pieces (`quantize_segments`), with error feedback
         when it is on."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 logger = logging.getLogger("hf_zero.watchdog")
 
 KEY = "hf_zero/waiting/{rank}"
-_COMM_PATHS = ("torch/distributed/", "hf_zero/comm/", "concurrent/futures/")
+_COMM_PATHS = ("torch/distributed/", "hf_zero/comm/", "concurrent/futures/", "hf_zero/observe/")
 _instance: StallWatchdog | None = None
 
 
@@ -135,7 +135,8 @@ def _where(frame) -> tuple[str, str]:
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
         inside_comm = any(path in name for path in _COMM_PATHS)
-        if inside_comm and ("torch/distributed/" in name or "hf_zero/comm/" in name):
+        named = frame.f_code.co_name != "<lambda>"
+        if inside_comm and named and ("torch/distributed/" in name or "hf_zero/comm/" in name):
             op = frame.f_code.co_name  # the outermost collective frame wins
         elif op is not None and not inside_comm:
             caller = _location(frame)

@@ -37,7 +37,9 @@ from accelerate.scheduler import AcceleratedScheduler
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine import Engine, ZeroEngine, initialize
 from hf_zero.engine.pretrained_save import streamable
+from hf_zero.numerics.packed import disable_cpu_repacking
 from hf_zero.optim.deepspeed_schedules import DeepSpeedSchedule
+from hf_zero.sharding.stage3.partitioned_init import is_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,8 @@ class ZeroAccelerator(Accelerator):
         super().__init__(*args, mixed_precision="no", **kwargs)
         self.zero_plugin = zero_plugin
         self.engine: ZeroEngine | None = None
+        self.before_training: torch.nn.Module | None = None
+        """The Trainer's model while ``trainer.evaluate()`` runs before ``trainer.train()``."""
 
     # --- prepare -----------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -257,14 +261,34 @@ class ZeroAccelerator(Accelerator):
             if model not in self._models:
                 self._models.append(model)
             return model  # hooks live on the model itself: nothing to wrap
+        # An evaluation before training must not let bitsandbytes repack a QLoRA base in place.
+        disable_cpu_repacking(model)
         config = self.zero_plugin.config
         if evaluation_mode and config.stage == 3 and config.pp_size == 1:
+            if model is self.before_training:
+                return self._evaluate_before_training(model)
             return self._prepare_evaluation_model(model)
         if self.engine is None and not evaluation_mode:
             # Preparing a model alone (no optimizer yet): only place it; the engine comes with
             # the optimizer.
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def _evaluate_before_training(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Stage 3, ``trainer.evaluate()`` before ``trainer.train()``: the model will be trained,
+        so it is not sharded for evaluation alone (that engine would have no optimizer, and its
+        trainable weights would be frozen). It is whole on every rank until training shards it,
+        so it is evaluated as it is."""
+        if is_partitioned(model):
+            raise NotImplementedError(
+                "hf_zero: this model was built with partitioned_init() and has no engine yet, so "
+                "it cannot be evaluated before training; call trainer.train() first (evaluation "
+                "during and after training is sharded), or pass --eval_on_start true"
+            )
+        logger.info(
+            "hf_zero: evaluating before training on the whole model (stage 3 shards it in train())"
+        )
+        return model.to(self.device)
 
     def _prepare_evaluation_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Stage 3: a model that is only evaluated (TRL's reference model, a teacher) is

@@ -181,6 +181,16 @@ class ZeroTrainerMixin:
         self._pp_window = []
         return torch.tensor(loss, device=self.args.device)
 
+    def evaluation_loop(self, *args, **kwargs):
+        """Before ``train()`` the model has no engine yet; the accelerator then evaluates it as it
+        is (whole) instead of building an evaluation-only engine that would freeze it."""
+        if getattr(self.model, "_hf_zero_engine", None) is None:
+            self.accelerator.before_training = self.model
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.accelerator.before_training = None
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Pipeline stages: the evaluation loss only (each batch as one micro-batch); the
         logits stay on the last stage."""

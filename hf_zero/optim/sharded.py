@@ -18,6 +18,7 @@ import torch
 from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.numerics.precision import LossScaler
+from hf_zero.observe import clock
 from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
 from hf_zero.optim.streamed_step import streamed_step
 from hf_zero.sharding.flat_group import FlatParamGroup
@@ -257,7 +258,8 @@ class ShardedOptimizer:
             return False
         if gradient_clipping > 0 and not clipped:
             self.clip_grad_norm_(gradient_clipping)
-        self._optimizer_step()
+        with clock.phase("optimizer"):
+            self._optimizer_step()
         works = [g.gather_params(async_op=True) for g in self.groups]
         for work in works:
             if work is not None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from hf_zero.observe import clock
 from hf_zero.optim.cpu_adam import adam_step
 from hf_zero.sharding.swapped_state import SwappedState
 
@@ -53,7 +54,7 @@ class _Tile:
 
     def ready(self) -> None:
         for done in self.reads:
-            done.result()
+            clock.waited("disk_io", done)
         self.reads = []
 
     def store(self, state: SwappedState, keys: list[str]) -> None:
@@ -64,7 +65,7 @@ class _Tile:
 
     def drain(self) -> None:
         for done in self.reads + self.writes:
-            done.result()
+            clock.waited("disk_io", done)
         self.reads, self.writes = [], []
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_zero.observe import clock
 from hf_zero.sharding.grad_intake import OWN_REGION, WHOLE_16BIT
 from hf_zero.sharding.grad_store import GradStore, start_copy
 from hf_zero.sharding.placement import Placement
@@ -144,13 +145,17 @@ class HostMaster(MasterWeights):
         self._sent = False
 
     def take_gradient(self, reduced: torch.Tensor, accumulate: bool, form: str) -> None:
-        host = torch.empty(reduced.numel(), dtype=torch.float32, device="cpu", pin_memory=self.pin)
-        self.grads.fold_host(host, start_copy(host, reduced), accumulate)
+        with clock.phase("copy"):
+            host = torch.empty(
+                reduced.numel(), dtype=torch.float32, device="cpu", pin_memory=self.pin
+            )
+            self.grads.fold_host(host, start_copy(host, reduced), accumulate)
 
     def send_tile(self, start: int, end: int, values, placement: Placement) -> None:
         """Start copying updated elements ``[start, end)`` (``values``, or read from the
         master) to where the parameters live."""
-        placement.receive_tile(start, self.values()[start:end] if values is None else values)
+        with clock.phase("copy"):
+            placement.receive_tile(start, self.values()[start:end] if values is None else values)
         self._sent = True
 
     def updated(self, placement: Placement) -> str:

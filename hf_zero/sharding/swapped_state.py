@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_zero.observe import clock
 from hf_zero.sharding.grad_store import landed_average
 from hf_zero.storage.swap import SwapFile, SwapSpace
 
@@ -135,7 +136,7 @@ class SwappedGrads:
 
     def _wait_write(self) -> None:
         if self._writing is not None:
-            self._writing[1].result()
+            clock.waited("disk_io", self._writing[1])
             self._writing = None
 
     def settle(self) -> None:

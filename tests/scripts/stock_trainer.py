@@ -1,7 +1,7 @@
 """A plain transformers training script: no hf_zero import anywhere, no device settings.
 
     python stock_trainer.py --output_dir DIR [--subclass | --trl [--lora] [--qlora nf4|int8]]
-        [TrainingArguments]
+        [--evaluate_first] [TrainingArguments]
 
 Its arguments are parsed as the transformers examples parse theirs (``HfArgumentParser`` over
 ``TrainingArguments``, or TRL's ``SFTConfig``), so every Trainer flag works and nothing is set
@@ -34,6 +34,7 @@ class ScriptArguments:
     trl: bool = False
     lora: bool = False
     qlora: str = ""  # with --trl: load the model by path through bitsandbytes, as QLoRA scripts do
+    evaluate_first: bool = False  # a baseline trainer.evaluate() before trainer.train()
 
 
 def tokenizer():
@@ -113,6 +114,7 @@ def main():
             model=model,
             args=training_args,
             train_dataset=Dataset.from_dict({"text": text}),
+            eval_dataset=Dataset.from_dict({"text": text[:8]}) if script.evaluate_first else None,
             processing_class=tokenizer(),
             callbacks=[Report()],
             peft_config=peft_config,
@@ -127,8 +129,9 @@ def main():
 
             cls = MyTrainer
         data = [{"input_ids": row, "labels": row} for row in ids]
-        trainer = cls(model=model, args=training_args, train_dataset=data)
+        trainer = cls(model=model, args=training_args, train_dataset=data, eval_dataset=data[:8])
         trainer.add_callback(Report())
+    baseline = trainer.evaluate()["eval_loss"] if script.evaluate_first else None
     trainer.train()
     trainer.save_model(training_args.output_dir)
     model = trainer.model
@@ -144,6 +147,7 @@ def main():
         "sizes": Report.sizes,
         "log_history": trainer.state.log_history,
         "logits": logits.tolist(),
+        "baseline_eval_loss": baseline,
     }
     with open(os.path.join(training_args.output_dir, f"report_rank{rank}.json"), "w") as f:
         json.dump(report, f)

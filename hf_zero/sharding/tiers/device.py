@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hf_zero.numerics.quant import Quantized
+from hf_zero.observe import clock
 
 
 class Tier:
@@ -72,5 +73,6 @@ class HostTier(DeviceTier):
         self.data.copy_(values)
 
     def fetch(self) -> torch.Tensor:
-        local = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.device)
-        return local.copy_(self.data, non_blocking=True)
+        with clock.phase("copy"):
+            local = torch.empty(self.data.shape, dtype=self.data.dtype, device=self.device)
+            return local.copy_(self.data, non_blocking=True)

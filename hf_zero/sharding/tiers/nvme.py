@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
+from hf_zero.observe import clock
 from hf_zero.sharding.tiers.device import Tier
 from hf_zero.storage.swap import ALIGN, SwapSpace
 
@@ -46,8 +47,9 @@ class NvmeTier(Tier):
         self.stats["read_ahead_hits"] += self._read is not None
         self.prefetch()
         (buffer, done), self._read = self._read, None
-        done.result()
-        return buffer.to(self.device, non_blocking=True)
+        clock.waited("disk_io", done)
+        with clock.phase("copy"):
+            return buffer.to(self.device, non_blocking=True)
 
     def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
         self._drop_read()  # its bytes are about to be stale
@@ -57,7 +59,8 @@ class NvmeTier(Tier):
         buffer = self.swap.buffer(hi - lo, self.dtype)
         if lo != start or hi != start + values.numel():
             self.flush()
-            self.file.read(buffer, lo * self.itemsize)  # keep the rest of the edge blocks
+            with clock.phase("disk_io"):
+                self.file.read(buffer, lo * self.itemsize)  # keep the rest of the edge blocks
         buffer[start - lo : start - lo + values.numel()].copy_(values)
         self._writes.append(self.file.write_async(buffer, lo * self.itemsize))
         if not non_blocking:
@@ -67,11 +70,11 @@ class NvmeTier(Tier):
         """Wait for every write started so far."""
         writes, self._writes = self._writes, []
         for done in writes:
-            done.result()
+            clock.waited("disk_io", done)
 
     def _drop_read(self) -> None:
         if self._read is not None:
-            self._read[1].result()
+            clock.waited("disk_io", self._read[1])
             self._read = None
 
     def held_bytes(self) -> dict[str, int]:
