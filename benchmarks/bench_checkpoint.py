@@ -41,7 +41,7 @@ def _rank(folder: str, shape: dict, repeats: int) -> dict:
     for i in range(repeats):
         for checksums in (True, False):
             label = "with" if checksums else "without"
-            checkpoint_stream.CHECKSUMS = checksums
+            checkpoint_stream.CHECKSUMS = checkpoint_format.REQUIRE_CHECKSUMS = checksums
             path = f"{folder}/{label}-{i}"
             dist.barrier()
             start = time.perf_counter()
@@ -51,7 +51,7 @@ def _rank(folder: str, shape: dict, repeats: int) -> dict:
             start = time.perf_counter()
             engine.load_checkpoint(path)
             times.setdefault(f"load {label}", []).append(time.perf_counter() - start)
-    checkpoint_stream.CHECKSUMS = True
+    checkpoint_stream.CHECKSUMS = checkpoint_format.REQUIRE_CHECKSUMS = True
     size = sum(p.stat().st_size for p in Path(f"{folder}/with-0").iterdir())
     return {"median_s": {k: statistics.median(v) for k, v in times.items()}, "bytes": size}
 

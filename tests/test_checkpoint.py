@@ -98,26 +98,37 @@ def _save_twice_and_die(first: str, second: str) -> None:
     _segment(2, 0, 1, None, second)
 
 
-def _save_on_a_full_disk(first: str, second: str) -> str:
+def _save_on_a_full_disk(first: str, second: str, failing_rank: int) -> tuple[str, str]:
     _segment(2, 0, 1, None, first)
+    if dist.get_rank() == failing_rank:
 
-    def full(tensors, path):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        def full(tensors, path):
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    checkpointing._write_safetensors = full
+        checkpointing._write_safetensors = full
     try:
         _segment(2, 0, 1, None, second)
     except OSError as error:
-        return str(error)
-    return "no error"
+        return type(error).__name__, str(error)
+    return "", "no error"
 
 
-def test_a_full_disk_names_the_folder_and_frees_the_partial_save(tmp_path):
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_full_disk_on_any_rank_fails_every_rank_and_frees_the_partial_save(
+    tmp_path, failing_rank
+):
+    """Every rank raises together (none waits in a collective for the one that failed); rank 0
+    names the folder, the ranks, the bytes the save needs and the bytes free, once."""
     first, second = tmp_path / "ckpt-1", tmp_path / "ckpt-2"
-    for message in run_distributed(_save_on_a_full_disk, 2, args=(str(first), str(second))):
-        assert f"no space left on the device while saving a checkpoint under {tmp_path}" in message
-        assert "MiB free; the last checkpoint took" not in message  # ckpt-2 never existed
-        assert "the previous checkpoints are untouched" in message
+    told = run_distributed(_save_on_a_full_disk, 2, args=(str(first), str(second), failing_rank))
+    kind, message = told[0]
+    assert kind == "NoSpaceError", told
+    assert (
+        f"saving {second} failed on rank(s) [{failing_rank}] (No space left on device)" in message
+    )
+    assert re.search(r"the save needs [0-9.]+ MiB and [0-9.]+ MiB are free there", message)
+    assert "previous checkpoints are untouched and the partial save was removed" in message
+    assert told[1][0] == "SaveFailedError" and f"saving {second} failed" in told[1][1]
     assert checkpoint.is_complete(first)
     assert not second.exists() and not (tmp_path / "ckpt-2.tmp").exists()
 
@@ -186,7 +197,7 @@ def test_broken_or_mismatched_checkpoints_are_reported_by_name(tmp_path):
             broken("newer", lambda d: (d / "zero_meta.json").write_text(
                 json.dumps({**json.loads((d / "zero_meta.json").read_text()), "format_version": 99})
             )),
-            r"format_version 99; this hf_zero \(2\) is older .* upgrade hf_zero",
+            r"format_version 99; this hf_zero \(3\) is older .* upgrade hf_zero",
         ),
     }  # fmt: skip
     for name, (path, match) in cases.items():

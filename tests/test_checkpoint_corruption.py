@@ -53,12 +53,26 @@ def _flip_master_bytes(d: Path) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
-def _nan_in_state(d: Path) -> None:
-    with safe_open(d / RANK1, framework="pt") as f:
-        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
-    tensors["0.state.exp_avg"][3] = float("nan")
-    spec = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
-    write_streamed([(spec, lambda: tensors)], d / RANK1)
+def _poisoned(key: str, value: float):
+    """Rewrite rank 1's file (checksums recomputed) with one non-finite value in ``key``."""
+
+    def poison(d: Path) -> None:
+        with safe_open(d / RANK1, framework="pt") as f:
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
+        tensors[key][3] = value
+        spec = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+        write_streamed([(spec, lambda: tensors)], d / RANK1)
+
+    return poison
+
+
+def _checksums_removed(d: Path) -> None:
+    header, start = _header(d / RANK1)
+    data = (d / RANK1).read_bytes()[start:]
+    header.pop("__metadata__")
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (d / RANK1).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
 def _lying_offsets(d: Path) -> None:
@@ -82,7 +96,9 @@ def _edit_meta(change):
 
 CASES = {
     "flipped bytes": (_flip_master_bytes, r"zero_rank00001.safetensors: checksum mismatch in '0.master'"),
-    "NaN in state": (_nan_in_state, r"holds NaN/Inf in 'state.exp_avg' of parameter '.*' \(zero_rank00001.safetensors; read on rank 1\)"),
+    "NaN in state": (_poisoned("0.state.exp_avg", float("nan")), r"holds NaN/Inf in 'state.exp_avg' of parameter '.*' \(zero_rank00001.safetensors; read on rank 1\)"),
+    "Inf in master": (_poisoned("0.master", float("inf")), r"holds NaN/Inf in 'master' of parameter '.*' \(zero_rank00001.safetensors; read on rank 1\)"),
+    "checksums removed": (_checksums_removed, r"zero_rank00001.safetensors has no checksum for '.*' \(and \d+ more\)"),
     "lying offsets": (_lying_offsets, r"zero_rank00001.safetensors: '0.master' header does not add up|'0.master' and '.*' overlap|is truncated"),
     "num_shards": (_edit_meta(lambda g: g.update(num_shards=1)), r"partition map of group 0 does not add up"),
     "shard_numel": (_edit_meta(lambda g: g.update(shard_numel=g["shard_numel"] * 2)), r"partition map of group 0 does not add up"),

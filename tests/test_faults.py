@@ -96,9 +96,14 @@ def test_a_save_killed_midway_leaves_the_last_checkpoint_resumable(tmp_path, uni
 
 
 def test_a_full_disk_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    """Stage 3: rank 0 cannot write the streamed model file; rank 1, which only takes part in
+    the gathers, fails with it instead of waiting for a collective that never comes."""
     out = tmp_path / "out"
-    full = _launch(out, "--zero_stage", "2", fault="enospc@checkpoint-4")
+    full = _launch(
+        out, "--zero_stage", "3", fault="enospc-model@checkpoint-4", recipe="finetune_full"
+    )
     assert full.returncode != 0
+    assert "[rank1]" in full.stderr and "SaveFailedError" in full.stderr
     assert f"no space left on the device while saving a checkpoint under {out}" in full.stderr
     assert "MiB free; the last checkpoint took" in full.stderr
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
@@ -271,6 +276,17 @@ def test_the_watchdog_names_where_a_rank_waits_and_who_is_late():
     message = waiting[0]
     assert re.search(r"rank 0 has waited \d+ s in .+, called from \S+:\d+ in \w+", message)
     assert "(step 0)" in message and "ranks [1] have not arrived" in message, message
+
+
+def test_a_watchdog_later_than_the_timeout_warns_at_half_of_it():
+    from hf_zero.comm.watchdog import StallWatchdog
+
+    try:
+        assert StallWatchdog.start(300, 0, 1, lambda: 0, timeout=60).seconds == 30
+        assert StallWatchdog.start(20, 0, 1, lambda: 0, timeout=60).seconds == 20
+        assert StallWatchdog.start(0, 0, 1, lambda: 0, timeout=60) is None
+    finally:
+        StallWatchdog.start(0, 0, 1, lambda: 0)
 
 
 @pytest.mark.parametrize("saving_rank", [True, False])

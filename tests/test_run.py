@@ -368,3 +368,9 @@ def test_bad_settings_fail_before_the_script_runs(tmp_path):
     )
     assert done.returncode == 2 and "'stage' = 5 is not allowed" in done.stderr
     assert not marker.exists()
+    # hf_zero flags may come before the script, as accelerate's own do before theirs.
+    flags_first = [sys.executable, "-m", "hf_zero.run", "--zero_stage", "5", str(script)]
+    done = subprocess.run(flags_first, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "'stage' = 5 is not allowed" in done.stderr
+    done = subprocess.run(flags_first[:-1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no script (a .py file) was given" in done.stderr

@@ -11,7 +11,12 @@ import torch
 
 from hf_zero.storage.safetensors import SafetensorsSliceReader
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: every tensor of a shard file carries block checksums, and a load requires them (2: read,
+checksums verified where present)."""
+REQUIRE_CHECKSUMS = True
+"""Refuse a format-3 shard file without a checksum for every tensor (benchmarks switch it off
+to time a load without checksums)."""
 META = "zero_meta.json"
 MARKER = "COMPLETE"
 
@@ -48,10 +53,10 @@ def read_meta(directory: str | Path) -> dict:
             f"hf_zero: checkpoint '{directory}' has format_version {meta['format_version']}; this "
             f"hf_zero ({FORMAT_VERSION}) is older than the one that wrote it: upgrade hf_zero"
         )
-    if meta.get("format_version", 0) < FORMAT_VERSION:
+    if meta.get("format_version", 0) < 2:
         raise ValueError(
             f"hf_zero: checkpoint '{directory}' has format_version {meta.get('format_version')}; "
-            f"this hf_zero reads format {FORMAT_VERSION}"
+            f"this hf_zero reads formats 2 and {FORMAT_VERSION}"
         )
     tp_size = meta.get("tp_size", 1)
     for tp_rank in range(tp_size):
@@ -105,7 +110,8 @@ class ShardReader:
     def file(self, rank: int) -> SafetensorsSliceReader:
         if rank not in self._files:
             name = shard_file(rank, self.tp_rank, self.meta.get("tp_size", 1))
-            self._files[rank] = SafetensorsSliceReader(self.directory / name)
+            checksummed = REQUIRE_CHECKSUMS and self.meta["format_version"] >= 3
+            self._files[rank] = SafetensorsSliceReader(self.directory / name, checksummed)
         return self._files[rank]
 
     def read(self, name: str, key: str, start: int, count: int) -> torch.Tensor | None:

@@ -42,13 +42,25 @@ class StallWatchdog:
 
     @classmethod
     def start(
-        cls, seconds: float, rank: int, world: int, step_of: Callable[[], int]
+        cls,
+        seconds: float,
+        rank: int,
+        world: int,
+        step_of: Callable[[], int],
+        timeout: float | None = None,
     ) -> StallWatchdog | None:
-        """The process's watchdog (None when ``seconds`` is 0: switched off)."""
+        """The process's watchdog (None when ``seconds`` is 0: switched off). A warning that
+        would come after the collective ``timeout`` ends the job comes at half of it instead."""
         global _instance
         if _instance is not None:
             _instance.stop()
             _instance = None
+        if seconds and timeout and seconds >= timeout:
+            logger.info(
+                "hf_zero: stall_warning_seconds %s >= the collective timeout %s s: warning "
+                "after %s s instead", seconds, timeout, max(1.0, timeout / 2),
+            )  # fmt: skip
+            seconds = max(1.0, timeout / 2)
         if seconds and seconds > 0:
             _instance = cls(seconds, rank, world, step_of)
         return _instance

@@ -19,9 +19,8 @@ from the model's own weights.
 
 from __future__ import annotations
 
-import errno
 import functools
-import shutil
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,7 @@ from hf_zero._version import __version__
 from hf_zero.checkpoint.format import FORMAT_VERSION, META, ShardReader, read_meta, shard_file
 from hf_zero.checkpoint.publish import make_shared_tmp, publish, run_id
 from hf_zero.comm.topology import current_device
-from hf_zero.storage.disk_space import no_space_error
+from hf_zero.engine.save_failure import agree_on_failure
 from hf_zero.storage.safetensors import Piece, write_streamed
 
 if TYPE_CHECKING:
@@ -43,26 +42,31 @@ if TYPE_CHECKING:
 def save_checkpoint(
     engine: ZeroEngine, directory: str | Path, keep_last: int | None = None
 ) -> None:
-    """Write the checkpoint atomically (collective). ``keep_last`` prunes older siblings."""
+    """Write the checkpoint atomically (collective). ``keep_last`` prunes older siblings.
+
+    If any rank cannot write its shard (a full disk, a quota, an I/O error), every rank raises
+    together: rank 0 names the folder, the bytes the save needs and the bytes free, and removes
+    the partial save; the previous checkpoint is untouched."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
-    rank = engine.topology.rank
     make_shared_tmp(tmp, directory, engine.comm)
     topo = engine.topology
+    pieces = _rank_pieces(engine)
+    failure = None
     try:
-        _write_safetensors(
-            _rank_pieces(engine), tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size)
-        )
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
-            raise
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back at once
-        raise no_space_error(error, directory.parent, [directory]) from error
-    _barrier(engine)  # every shard is on disk; a rank that died never gets past here
-    if rank == 0:
+        _write_safetensors(pieces, tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size))
+    except (OSError, RuntimeError) as error:
+        failure = error
+    agree_on_failure(engine, failure, _piece_bytes(pieces), directory, tmp)
+    if topo.rank == 0:
         publish(tmp, directory, META, _meta(engine), keep_last)
     _barrier(engine)
+
+
+def _piece_bytes(pieces: list[Piece]) -> int:
+    return sum(
+        math.prod(shape) * dtype.itemsize for spec, _ in pieces for dtype, shape in spec.values()
+    )
 
 
 def _barrier(engine: ZeroEngine) -> None:

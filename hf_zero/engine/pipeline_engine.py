@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.distributed.pipelining import (
 
 from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group, current_device, init_distributed
+from hf_zero.comm.watchdog import StallWatchdog
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine.surface import Engine
 from hf_zero.optim.setup import optimizer_and_scheduler
@@ -98,6 +100,11 @@ class PipelineEngine(Engine):
             config.pp_size, config.tp_size, timeout=config.comm_timeout
         )
         self.comm = Collectives(native_collectives=config.native_collectives)
+        me = weakref.ref(self)
+        self.watchdog = StallWatchdog.start(
+            config.stall_warning_seconds, dist.get_rank(), dist.get_world_size(),
+            lambda: getattr(me(), "global_steps", "?"), timeout=config.comm_timeout,
+        )  # fmt: skip
         world = Group(None, tuple(range(dist.get_world_size())), False)
         with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does
             for t in list(model.parameters()) + list(model.buffers()):

@@ -43,6 +43,7 @@ from hf_zero.engine.full_state_dict import (
     saved_state_dict,
     state_dict_pieces,
 )
+from hf_zero.engine.save_failure import agree_on_failure
 from hf_zero.storage.safetensors import write_streamed
 
 if TYPE_CHECKING:
@@ -135,24 +136,31 @@ def save_pretrained(
         )
     export = saved_export(engine, keep=is_main_process)
     pieces = state_dict_pieces(engine, export)
+    directory = Path(save_directory)
     if not is_main_process:
         for _ in pieces:  # the gathers are collective; nothing to write here
             pass
+        agree_on_failure(engine, None, 0, directory, None)
         return []
-    directory = Path(save_directory)
-    directory.mkdir(parents=True, exist_ok=True)
     specs = piece_specs(engine, export.original_dtypes, export.master_weights)
     kept, convert = saved_keys(model, specs), _conversion(model)
     files = plan_files(specs, kept, convert, _size_limit(max_shard_size))
     cursor = _PieceCursor(pieces, kept, convert)
-    written = []
-    for plan in files:
-        partial = directory / f".{plan.name}.partial"
-        entries = [({name: spec}, functools.partial(cursor.take, name)) for name, spec in plan.specs.items()]  # fmt: skip
-        write_streamed(entries, partial, metadata={"format": "pt"})
-        os.replace(partial, directory / plan.name)
-        written.append(directory / plan.name)
+    written, partial, failure = [], None, None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for plan in files:
+            partial = directory / f".{plan.name}.partial"
+            entries = [({name: spec}, functools.partial(cursor.take, name)) for name, spec in plan.specs.items()]  # fmt: skip
+            write_streamed(entries, partial, metadata={"format": "pt"})
+            os.replace(partial, directory / plan.name)
+            written.append(directory / plan.name)
+    except (OSError, RuntimeError) as error:
+        failure = error  # keep taking part in the gathers: the other ranks are in them
+    else:
+        partial = None  # each file was renamed into place
     cursor.drain()
+    agree_on_failure(engine, failure, sum(p.nbytes for p in files), directory, partial)
     _remove_stale_shards(directory, {p.name for p in files})
     index = directory / "model.safetensors.index.json"
     if len(files) > 1:

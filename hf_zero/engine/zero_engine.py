@@ -93,7 +93,7 @@ class ZeroEngine(Engine):
         me = weakref.ref(self)
         self.watchdog = StallWatchdog.start(
             config.stall_warning_seconds, self.topology.rank, self.topology.world_size,
-            lambda: getattr(me(), "global_steps", "?"),
+            lambda: getattr(me(), "global_steps", "?"), timeout=config.comm_timeout,
         )  # fmt: skip
         self.zeropp = zeropp_settings(config, self.topology)
         hidden = getattr(getattr(self.module, "config", None), "hidden_size", None)

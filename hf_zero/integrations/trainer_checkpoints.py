@@ -55,13 +55,12 @@ def save_staged(trainer, trial, save: Callable[[], None]) -> None:
     try:
         save()
     except OSError as error:
+        if trainer.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # give the space back at once
         if error.errno != errno.ENOSPC:
             raise
         previous = Path(run_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
-        full = no_space_error(error, run_dir, previous)
-        if trainer.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)  # give the space back at once
-        raise full from error
+        raise no_space_error(error, run_dir, previous) from error
     finally:
         del trainer._get_output_dir
     trainer.accelerator.wait_for_everyone()  # every rank's files are written

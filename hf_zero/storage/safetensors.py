@@ -138,7 +138,9 @@ class SafetensorsSliceReader:
     bytes, and, for files hf_zero wrote, is verified against the CRC-32 of each 256 KiB block it
     touches."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checksummed: bool = False) -> None:
+        """``checksummed``: the file must carry a checksum for every tensor (hf_zero's own
+        checkpoint shards do), so a file whose checksum table was removed is refused."""
         self.path = path
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -157,6 +159,13 @@ class SafetensorsSliceReader:
         self.header = parsed
         self.data_start = 8 + size
         self.crcs = _parse_crcs(metadata.get(CRC_KEY), path)
+        unchecked = [k for k in self.header if k not in self.crcs] if checksummed else []
+        if unchecked:
+            raise ValueError(
+                f"hf_zero: {path} has no checksum for '{unchecked[0]}' (and "
+                f"{len(unchecked) - 1} more): hf_zero writes one for every tensor of a "
+                "checkpoint shard, so the file was altered or not written by this hf_zero"
+            )
         self._last: dict[str, tuple[int, torch.Tensor]] = {}  # a few tensors' last small read
         _check_entries(self.header, self.crcs, file_size - self.data_start, path)
 

@@ -6,8 +6,11 @@
 * ``kill-before-state``: likewise when rank 0 is about to write ``trainer_state.json``;
 * ``enospc``: writing the engine's shards of that checkpoint fails with ENOSPC on rank 0, as a
   full disk makes it fail;
+* ``enospc-model``: writing that checkpoint's streamed ``model.safetensors`` (stage 3) fails
+  with ENOSPC on rank 0, while the other ranks take part in its gathers;
 * ``stall``: rank 1 stops for ``<where>`` seconds before its second optimizer step (a rank
-  stuck in I/O, swapped out, or stopped), while rank 0 goes on to the next collective.
+  stuck in I/O, swapped out, or stopped), while rank 0 goes on to the next collective;
+* ``die``: rank 1 SIGKILLs itself before its second optimizer step (``<where>`` unused).
 
 The recipe itself (``HF_ZERO_TEST_RECIPE``: ``finetune_lora`` or ``finetune_full``) runs
 unchanged.
@@ -61,20 +64,36 @@ if what == "enospc" and rank0:
 
     checkpoint._write_safetensors = write_full
 
-if what == "stall" and os.environ.get("RANK") == "1":
+if what == "enospc-model" and rank0:
+    from hf_zero.engine import pretrained_save
+
+    streamed = pretrained_save.write_streamed
+
+    def write_model_full(pieces, path, **kwargs):
+        if where in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return streamed(pieces, path, **kwargs)
+
+    pretrained_save.write_streamed = write_model_full
+
+if what in ("stall", "die") and os.environ.get("RANK") == "1":
     import time
 
     from hf_zero.engine import ZeroEngine
 
     step, calls = ZeroEngine.step, []
 
-    def stalled_step(self):
+    def faulty_step(self):
         calls.append(1)
         if len(calls) == 2:
+            # When the fault starts, for benchmarks/bench_faults.py's time to detection.
+            print(f"hf_zero test fault: {what} at {time.time():.3f}", file=sys.stderr, flush=True)
+            if what == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(float(where))
         return step(self)
 
-    ZeroEngine.step = stalled_step
+    ZeroEngine.step = faulty_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
 importlib.import_module(os.environ["HF_ZERO_TEST_RECIPE"]).main()
