@@ -399,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_autoload)
     p = sub.add_parser("env", help="print versions and devices")
     p.set_defaults(func=_cmd_env)
+    from hf_zero.doctor.command import add_parser as add_doctor
+
+    add_doctor(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

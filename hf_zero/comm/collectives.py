@@ -218,6 +218,7 @@ class Collectives:
         self, kind: str, nbytes: int, group: Group, exchanged: bool = False, src: int | None = None
     ) -> None:
         """Record one call with the algorithm that will run (see the table in ``stats``)."""
+        clock.mark(f"{kind} ({self.purpose})")
         gloo = dist.get_backend(group.pg) == "gloo"
         algorithm = ALGORITHMS[kind][gloo] if not exchanged else "exchange"
         me = dist.get_rank()
@@ -240,6 +241,7 @@ class Collectives:
         )
 
     def _book_hierarchical(self, kind: str, nbytes: int, group: Group) -> None:
+        clock.mark(f"{kind} ({self.purpose})")
         intra, inter = group.hierarchy
         wire, off_node = hierarchical.wire_bytes(nbytes, intra, inter)
         self.stats.record(

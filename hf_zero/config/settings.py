@@ -90,6 +90,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("tp_size", int, int, "tensor-parallel size (AutoTP)", ("tp_size",)),
     Setting(
+        "profile",
+        bool,
+        parse_bool,
+        "record memory by object and time by phase for a few steps (read: hf-zero doctor)",
+    ),
+    Setting(
         "pp_size",
         int,
         int,

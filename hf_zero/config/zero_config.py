@@ -98,6 +98,12 @@ class ZeroConfig:
     stall_warning_seconds: int = 300
     """A rank blocked in one collective this long logs where it waits and which ranks have not
     arrived (once per stall; well before ``comm_timeout`` ends the job). 0 switches it off."""
+    profile: bool = False
+    """Record where memory and time go, per rank and step (`hf_zero.profiling`), into
+    ``profile_dir``; ``hf-zero doctor`` reads it. Off, it costs nothing."""
+    profile_steps: int = 5
+    """Steps recorded after a first, unrecorded warm-up step."""
+    profile_dir: str = "hf_zero_profile"
     host_memory: str = "release"
     """Training on CPU: ``"release"`` gives freed memory back to the OS after each step (lower
     RSS); ``"reuse"`` keeps it for the next step, skipping its page faults (faster)."""
@@ -330,6 +336,7 @@ class ZeroConfig:
         one_of("host_memory", self.host_memory, ("release", "reuse"))
         at_least("comm_timeout", self.comm_timeout, 1)
         at_least("stall_warning_seconds", self.stall_warning_seconds, 0)
+        at_least("profile_steps", self.profile_steps, 1)
         at_least("loss_scale", self.loss_scale, 0.0)
         at_least("initial_scale_power", self.initial_scale_power, 0)
         at_least("loss_scale_window", self.loss_scale_window, 1)

@@ -30,6 +30,7 @@ from hf_zero.numerics.packed import disable_cpu_repacking, is_packed, quant_stat
 from hf_zero.numerics.precision import DTYPES, LossScaler
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
+from hf_zero.profiling import Profiler, profile_settings
 from hf_zero.sharding.accounting import loose_param_bytes
 from hf_zero.sharding.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.sharding.reducer import GradientReducer
@@ -76,6 +77,8 @@ class ZeroEngine(Engine):
         # Count from the first step; what set-up sent (broadcasts, AutoTP, regroup) is kept.
         self.init_comm_stats: CommStats = self.comm.stats.reset()
         ZeroEngine.instances_created += 1
+        profiled = profile_settings(config)
+        self.profiler = Profiler(self, *profiled) if profiled else None
         if self.topology.rank == 0:
             # Printed, not logged: scripts often set warning-level logging, and this line is
             # how a user sees that hf_zero (and which stage) is really in charge.
@@ -345,6 +348,8 @@ class ZeroEngine(Engine):
             self.skipped_steps += 1
         self.zero_grad()
         self.host_memory.after_step()
+        if self.profiler is not None:
+            self.profiler.after_step()
         return stepped
 
     def train_batch(self, batch: Batch, microbatches: int | None = None) -> float:

@@ -11,7 +11,7 @@ import os
 
 import torch
 import transformers.trainer as trainer_module
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from hf_zero.config.checks import AUTO
@@ -61,6 +61,7 @@ class ZeroTrainerMixin:
         self._steps_logged = 0
         super().__init__(*args, **kwargs)
         self._warn_sections_overridden()
+        self.add_callback(ProfileLogging())
 
     @property
     def engine(self):
@@ -276,7 +277,13 @@ class ZeroTrainerMixin:
             for kind, nbytes in engine.memory_report().items():
                 if nbytes:
                     logs[f"mem_MiB_{kind}"] = round(nbytes / 2**20, 3)
+        profiler = getattr(engine, "profiler", None)
+        if profiler is not None and profiler.done and not profiler.logged:
+            logs.update(profiler.metrics)  # once: the summary of the profiled steps
+            profiler.logged = True
         super().log(logs, start_time)
+        if profiler is not None and profiler.logged and profiler.exit_requested:
+            profiler.exit()  # `hf-zero doctor -- <command>`: profiled, logged, done
 
     # --- parameter counts (ZeRO-3: p.numel() is 0 for a released parameter) ------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -306,6 +313,24 @@ class ZeroTrainerMixin:
         ):
             return super().floating_point_ops(inputs)
         return 6 * inputs[main_input].numel() * num_parameters(self.model, exclude_embeddings=True)
+
+
+class ProfileLogging(TrainerCallback):
+    """With ``profile: true``: log the profile's summary at the step it ends (see `log`)."""
+
+    @staticmethod
+    def _profiler(model):
+        return getattr(getattr(model, "_hf_zero_engine", None), "profiler", None)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        profiler = self._profiler(model)
+        if profiler is not None:
+            profiler.defer_exit = True  # the run ends after the summary is logged
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        profiler = self._profiler(model)
+        if profiler is not None and profiler.done and not profiler.logged:
+            control.should_log = True
 
 
 def _resume_flag(value):

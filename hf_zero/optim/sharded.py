@@ -258,8 +258,10 @@ class ShardedOptimizer:
             return False
         if gradient_clipping > 0 and not clipped:
             self.clip_grad_norm_(gradient_clipping)
+        clock.mark("optimizer step")
         with clock.phase("optimizer"):
             self._optimizer_step()
+        clock.mark("optimizer step: master weights updated")
         works = [g.gather_params(async_op=True) for g in self.groups]
         for work in works:
             if work is not None:

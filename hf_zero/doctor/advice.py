@@ -1,0 +1,224 @@
+"""From a measured profile to the changes that would fix what is over budget, each with its
+predicted peak memory and step time, in the order of docs/USER_GUIDE.md's table ("what is over
+budget -> method -> what to verify").
+
+Predictions start from the measurement, not from formulas alone: the objects at the measured
+peak are rescaled by what the change does to them (ZeRO's 1/N for what a stage shards, the
+bytes a quantized format keeps, what activation checkpointing saves), the runtime and "other"
+bytes are kept as measured, and the step's measured phases are rescaled (collective waits in
+proportion to the bytes on the link, or bytes / ``--link-gbps`` when given). Assumptions are
+named where they are made (`ASSUMED`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_zero.doctor.diagnosis import Diagnosis
+
+ASSUMED = {
+    "copy_gbytes_per_s": 10.0,
+    "recompute_share": 1 / 3,
+    "quantize_gbytes_per_s": 2.0,
+}
+"""Figures a prediction needs that one profile does not measure: host-device copy bandwidth
+(GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
+forward + backward), and quantization throughput (GB/s of input) for ZeRO++ without a measured
+``quantize`` phase."""
+
+QUANT_BLOCK = 256
+"""Elements per scale of hf_zero's INT8 and INT4 blocks (one fp32 scale each)."""
+
+
+@dataclass
+class Budget:
+    """What the user has: memory per rank, the inter-node link, the cluster's shape."""
+
+    device_memory: float | None = None
+    """Bytes per rank (on CPU: the process's resident memory)."""
+    host_memory: float | None = None
+    link_gbps: float | None = None
+    gpus_per_node: int | None = None
+    nodes: int | None = None
+
+
+@dataclass
+class Change:
+    """One recommended change, with what it is predicted to do."""
+
+    kind: str
+    what: str
+    flags: list[str]
+    peak_bytes: int
+    step_s: float
+    removes: str
+    fits: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def _scaled(objects: dict[str, int], **factors: float) -> dict[str, int]:
+    return {k: int(v * factors.get(k, 1.0)) for k, v in objects.items()}
+
+
+def _dtype_bytes(d: Diagnosis) -> int:
+    return 2 if d.config.get("precision") in ("bf16", "fp16") else 4
+
+
+def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
+    """The changes that apply to this run, fitting ones first, each group fastest first."""
+    budget = budget or Budget()
+    n = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
+    stage = d.config.get("stage") or 0
+    units = max(1, d.model.get("units") or 1)
+    now = dict(d.makeup)
+    changes: list[Change] = []
+    comm = d.phases_s.get("comm_wait_intra", 0.0) + d.phases_s.get("comm_wait_inter", 0.0)
+
+    def add(kind, what, flags, objects, step_s, removes, notes=()):
+        peak = sum(objects.values())
+        fits = budget.device_memory is None or peak <= budget.device_memory
+        changes.append(Change(kind, what, flags, peak, step_s, removes, fits, list(notes)))
+
+    m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
+    g, p = now.get("grads", 0), now.get("params", 0)
+    if stage < 1 and m + o:
+        objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n)
+        add("stage 1", "shard the optimizer state (ZeRO-1)", ["--zero_stage", "1"], objects,
+            d.step_s, f"{(m + o) * (1 - 1 / n) / 2**20:.1f} MiB of master weights and optimizer state")  # fmt: skip
+    if stage < 2 and m + o + g:
+        objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
+        add("stage 2", "shard gradients too (ZeRO-2)", ["--zero_stage", "2"], objects, d.step_s,
+            f"{(m + o + g) * (1 - 1 / n) / 2**20:.1f} MiB of gradients and optimizer state")  # fmt: skip
+    if stage < 3 and p:
+        working = 2 * p / units  # two units gathered at once (the current one, the prefetched)
+        objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
+        objects["params"] = int(p / n + working)
+        add("stage 3", "shard the parameters too (ZeRO-3)", ["--zero_stage", "3"], objects,
+            d.step_s + 0.5 * comm, f"{(p - objects['params']) / 2**20:.1f} MiB of parameters",
+            ["~1.5x the communication of stage 2"])  # fmt: skip
+    _offload(d, now, stage, add)
+    _frozen_base(d, now, stage, n, add)
+    _activations(d, now, units, add)
+    _tensor_parallel(d, now, budget, add)
+    _zeropp(d, now, stage, budget, add)
+    changes.sort(key=lambda c: (not c.fits, c.step_s))
+    return changes
+
+
+def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
+    one_pool = d.device == "cpu"
+    moved = now.get("master_weights", 0) + now.get("optimizer_states", 0)
+    if stage >= 1 and moved and d.config.get("offload_optimizer") in (None, "none"):
+        objects = dict(now)
+        if not one_pool:
+            objects.update(master_weights=0, optimizer_states=0)
+        copy = 2 * moved / 3 / (ASSUMED["copy_gbytes_per_s"] * 1e9)
+        add("offload_optimizer", "fp32 master weights and Adam state to CPU memory (ZeRO-Offload)",
+            ["--zero_offload_optimizer", "cpu"], objects, d.step_s + copy,
+            f"{moved / 2**20:.1f} MiB from the device to host memory",
+            ["on a CPU-only machine host and device are the same memory: the peak stays"])  # fmt: skip
+
+
+def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
+    total, trainable = d.model.get("parameters") or 0, d.model.get("trainable") or 0
+    if not total or trainable >= total or d.config.get("quantized_nontrainable_weights"):
+        return
+    p = now.get("params", 0)
+    frozen_share = (total - trainable) / total
+    frozen = p * frozen_share
+    kept = (total - trainable) * (1 + 4 / QUANT_BLOCK) / (n if stage == 3 else 1)
+    objects = dict(now, params=int(p - frozen + min(frozen, kept)))
+    add("mixz", "keep the frozen base as INT8 shards (MixZ++)",
+        ["--zero_stage", "3", "--zero_quantized_nontrainable_weights", "true"], objects,
+        d.step_s, f"{max(0.0, frozen - kept) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
+
+
+def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
+    a = max(now.get("activations", 0), 0)
+    if not a:
+        return
+    hidden = d.model.get("hidden_size") or 0
+    tokens = d.tokens_per_s * d.step_s / max(1, d.world_size)
+    kept = units * tokens * hidden * _dtype_bytes(d) + a / units
+    if hidden and kept < a:
+        compute = d.phases_s.get("compute", 0.0)
+        add("checkpointing", "recompute activations in backward (activation checkpointing)",
+            ["--gradient_checkpointing", "true"], dict(now, activations=int(kept)),
+            d.step_s + ASSUMED["recompute_share"] * compute,
+            f"{(a - kept) / 2**20:.1f} MiB of activations")  # fmt: skip
+    micro = d.config.get("train_micro_batch_size_per_gpu") or 0
+    gas = d.config.get("gradient_accumulation_steps") or 1
+    if isinstance(micro, int) and micro >= 2:
+        extra = d.phases_s.get("comm_wait_intra", 0) + d.phases_s.get("comm_wait_inter", 0)
+        extra = extra if d.config.get("stage") == 3 else 0.0  # stage 3 gathers per micro-batch
+        add("micro-batch", "halve the micro-batch, double accumulation (same effective batch)",
+            ["--per_device_train_batch_size", str(micro // 2),
+             "--gradient_accumulation_steps", str(gas * 2)],
+            dict(now, activations=a // 2), d.step_s + extra, f"{a / 2 / 2**20:.1f} MiB of activations")  # fmt: skip
+
+
+def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
+    per_node = budget.gpus_per_node or d.ranks_per_node
+    if per_node < 2 or (d.config.get("tp_size") or 1) > 1:
+        return
+    k = 2
+    split = ("params", "grads", "master_weights", "optimizer_states", "activations")
+    objects = _scaled(now, **dict.fromkeys(split, 1 / k))
+    compute = d.phases_s.get("compute", 0.0)
+    add("tp", f"split each layer's matrices over {k} ranks (AutoTP)", ["--zero_tp_size", str(k)],
+        objects, d.step_s - compute + compute / k,
+        f"{sum(now.get(x, 0) for x in split) / k / 2**20:.1f} MiB of one rank's share",
+        ["adds an activation all-reduce per layer inside the node"])  # fmt: skip
+
+
+def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:
+    nodes = budget.nodes or d.nodes
+    sent = d.sent_bytes
+    inter = sent.get("inter_node", 0)
+    if nodes < 2 or not inter or stage != 3:
+        return
+    b = _dtype_bytes(d)
+    gather, reduce = sent.get("inter_node.all_gather", 0), sent.get("inter_node.reduce_scatter", 0)
+    rest = inter - gather - reduce
+    # qwZ: INT8 + a scale per block; hpZ: the backward gather stays in the node (half of them).
+    gather_new = gather / 2 * (1 + 4 / QUANT_BLOCK) / b
+    reduce_new = reduce * (0.5 + 4 / QUANT_BLOCK) / 4  # qgZ: INT4 over the link (fp32 reduced)
+    new = gather_new + reduce_new + max(0, rest)
+    wait = d.phases_s.get("comm_wait_inter", 0.0)
+    if budget.link_gbps:
+        wait_new = new * 8 / (budget.link_gbps * 1e9)
+        wait_now = inter * 8 / (budget.link_gbps * 1e9)
+    else:
+        wait_new, wait_now = wait * new / inter, wait
+    quantized = (gather + reduce) / max(1, nodes)
+    quantize = d.phases_s.get("quantize") or quantized / (ASSUMED["quantize_gbytes_per_s"] * 1e9)
+    hpz = budget.gpus_per_node or d.ranks_per_node
+    params = now.get("params", 0)
+    objects = dict(now, secondary_params=int(params * (1 + 4 / QUANT_BLOCK) / b / hpz))
+    add("zero++", "quantized weight gather, intra-node secondary partition, quantized gradients (ZeRO++)",
+        ["--zero_quantized_weights", "true", "--zero_hpz_partition_size", str(hpz),
+         "--zero_quantized_gradients", "true"], objects,
+        d.step_s - wait + wait_new + quantize,
+        f"{(inter - new) / 2**20:.1f} of {inter / 2**20:.1f} MiB per step off the inter-node link",
+        [f"inter-node wait {wait_now * 1000:.0f} -> {wait_new * 1000:.0f} ms per step"])  # fmt: skip
+
+
+def format_changes(d: Diagnosis, changes: list[Change], budget: Budget | None = None) -> str:
+    """The recommendations as a table (fitting ones first), with the flags to apply."""
+    budget = budget or Budget()
+    where = f" (budget {budget.device_memory / 2**30:.2f} GiB)" if budget.device_memory else ""
+    lines = [
+        f"Now: peak {d.peak_bytes / 2**20:,.1f} MiB{where}, step {d.step_s * 1000:.1f} ms",
+        "",
+        "| # | change | predicted peak | fits | predicted step | removes | flags |",
+        "|---|---|---:|---|---:|---|---|",
+    ]
+    for i, c in enumerate(changes, 1):
+        lines.append(
+            f"| {i} | {c.what} | {c.peak_bytes / 2**20:,.1f} MiB | {'yes' if c.fits else 'no'} "
+            f"| {c.step_s * 1000:.1f} ms ({c.step_s / d.step_s:.2f}x) | {c.removes} "
+            f"| `{' '.join(c.flags)}` |"
+        )
+    if not changes:
+        lines.append("| - | nothing to change: no mechanism applies to this run | | | | | |")
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""What a profile says: the peak moment and what it is made of, where the step's time goes, and
+how much of it is spent waiting on each link. Reads the ``profile_rank<r>.json`` files that
+`hf_zero.profiling.Profiler` writes."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KIND_NAMES = {
+    "params": "parameters",
+    "grads": "gradients",
+    "master_weights": "fp32 master weights",
+    "optimizer_states": "optimizer state",
+    "activations": "activations",
+    "secondary_params": "hpZ secondary shards",
+    "quantized_params": "quantized frozen weights",
+    "host_params": "parameters (host)",
+    "host_grads": "gradients (host)",
+    "host_master_weights": "fp32 master weights (host)",
+    "host_optimizer_states": "optimizer state (host)",
+    "runtime": "runtime (process before the step)",
+    "other": "other (temporaries, buffers in flight, allocator)",
+}
+"""How each object is called in the report."""
+
+
+def load_profiles(folder: str | Path) -> list[dict]:
+    """Every rank's profile in ``folder``, by rank."""
+    paths = sorted(Path(folder).glob("profile_rank*.json"))
+    if not paths:
+        raise FileNotFoundError(
+            f"hf_zero doctor: no profile_rank*.json in {folder} (run with --zero_profile true, "
+            "or profile_steps steps did not finish)"
+        )
+    profiles = [json.loads(p.read_text()) for p in paths]
+    return sorted(profiles, key=lambda p: p["rank"])
+
+
+@dataclass
+class Diagnosis:
+    """The measured facts the report prints and the recommendations start from."""
+
+    rank: int
+    step: int
+    event: str
+    peak_bytes: int
+    os_peak_bytes: int
+    makeup: dict[str, int]
+    """Bytes per object at the peak moment (with ``runtime`` and ``other``): they sum to
+    ``peak_bytes``."""
+    step_s: float
+    phases_s: dict[str, float]
+    tokens_per_s: float
+    sent_bytes: dict[str, float]
+    world_size: int
+    ranks_per_node: int
+    config: dict[str, Any]
+    model: dict[str, Any]
+    activations_peak: int
+    device: str = "cpu"
+    timeline: list[dict] = field(default_factory=list)
+
+    @property
+    def comm_wait_share(self) -> dict[str, float]:
+        return {
+            link: self.phases_s.get(f"comm_wait_{link}", 0.0) / self.step_s
+            for link in ("intra", "inter")
+        }
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.ranks_per_node))
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "timeline"}
+        out["comm_wait_share"] = self.comm_wait_share
+        return out
+
+
+def diagnose(profiles: list[dict]) -> Diagnosis:
+    """The rank and step with the highest measured memory, its make-up, and the median step's
+    time breakdown over every recorded step of that rank (tokens per second: all ranks)."""
+    best = None
+    for profile in profiles:
+        for step in profile["steps"]:
+            for sample in step["timeline"]:
+                if best is None or sample["measured"]["total"] > best[2]["measured"]["total"]:
+                    best = (profile, step, sample)
+    if best is None:
+        raise ValueError("hf_zero doctor: the profile holds no recorded step")
+    profile, step, sample = best
+    makeup = dict(sample["objects"])
+    pooled = _pooled(makeup, profile["device"])
+    runtime = step["runtime_bytes"]
+    makeup = {k: v for k, v in makeup.items() if k in pooled}
+    makeup["runtime"] = runtime
+    makeup["other"] = sample["measured"]["total"] - runtime - sum(pooled.values())
+    steps = profile["steps"]
+    walls = [s["wall_s"] for s in steps]
+    median = steps[walls.index(statistics.median_low(walls))]
+    tokens = sum(statistics.median(s["tokens_per_s"] for s in p["steps"]) for p in profiles)
+    return Diagnosis(
+        rank=profile["rank"],
+        step=step["step"],
+        event=sample["event"],
+        peak_bytes=sample["measured"]["total"],
+        os_peak_bytes=step["os_peak"]["total"],
+        makeup=makeup,
+        step_s=median["wall_s"],
+        phases_s=median["phases_s"],
+        tokens_per_s=tokens,
+        sent_bytes=median["sent_bytes"],
+        world_size=profile["world_size"],
+        ranks_per_node=profile["ranks_per_node"],
+        config=profile["config"],
+        model=profile["model"],
+        activations_peak=max(s["activation_peak"] for s in steps),
+        device=profile["device"],
+        timeline=median["timeline"],
+    )
+
+
+def _pooled(objects: dict[str, int], device: str) -> dict[str, int]:
+    """The objects in the memory the measured total covers (CPU: all but swap files; GPU: the
+    device's)."""
+    if device == "cpu":
+        return {k: v for k, v in objects.items() if not k.startswith("nvme_")}
+    return {k: v for k, v in objects.items() if not k.startswith(("host_", "nvme_"))}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_report(d: Diagnosis) -> str:
+    """The doctor's printed report (without recommendations)."""
+    lines = [
+        f"Peak memory: {_mib(d.peak_bytes)} on rank {d.rank}, step {d.step}, at '{d.event}' "
+        f"(the OS's own peak that step: {_mib(d.os_peak_bytes)}; sampled peak is "
+        f"{100 * d.peak_bytes / max(1, d.os_peak_bytes):.1f}% of it)",
+        "",
+        "| object | bytes | share |",
+        "|---|---:|---:|",
+    ]
+    for kind, nbytes in sorted(d.makeup.items(), key=lambda kv: -kv[1]):
+        share = 100 * nbytes / max(1, d.peak_bytes)
+        lines.append(f"| {KIND_NAMES.get(kind, kind)} | {_mib(nbytes)} | {share:.1f}% |")
+    lines += [
+        "",
+        f"Step time: {d.step_s * 1000:.1f} ms (median of the recorded steps), "
+        f"{d.tokens_per_s:,.0f} tokens/s over {d.world_size} ranks",
+        "",
+        "| phase | ms | share |",
+        "|---|---:|---:|",
+    ]
+    for phase, seconds in sorted(d.phases_s.items(), key=lambda kv: -kv[1]):
+        if seconds > 0:
+            lines.append(f"| {phase} | {seconds * 1000:.1f} | {100 * seconds / d.step_s:.1f}% |")
+    wait = d.comm_wait_share
+    lines += [
+        "",
+        f"Waiting on communication: {100 * wait['intra']:.1f}% of the step inside nodes, "
+        f"{100 * wait['inter']:.1f}% across nodes; sent per step by rank {d.rank}: "
+        f"{_mib(d.sent_bytes.get('intra_node', 0))} inside its node, "
+        f"{_mib(d.sent_bytes.get('inter_node', 0))} to other nodes",
+    ]
+    return "\n".join(lines)

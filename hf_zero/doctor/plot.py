@@ -1,0 +1,53 @@
+"""The doctor's picture: memory by object over one step, with the phases marked, and where the
+step's time goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hf_zero.doctor.diagnosis import KIND_NAMES, Diagnosis, _pooled
+
+
+def plot(d: Diagnosis, path: str | Path) -> Path:
+    """Write the PNG (matplotlib, without a display) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times = [s["t"] * 1000 for s in d.timeline]
+    kinds = sorted({k for s in d.timeline for k in _pooled(s["objects"], d.device)})
+    runtime = d.makeup.get("runtime", 0)
+    layers = {"runtime": [runtime / 2**20] * len(times)}
+    for kind in kinds:
+        layers[kind] = [_pooled(s["objects"], d.device).get(kind, 0) / 2**20 for s in d.timeline]
+    known = [sum(layer[i] for layer in layers.values()) for i in range(len(times))]
+    layers["other"] = [
+        max(0.0, s["measured"]["total"] / 2**20 - k) for s, k in zip(d.timeline, known)
+    ]
+    fig, (mem, bar) = plt.subplots(2, 1, figsize=(11, 7), height_ratios=[3, 1])
+    mem.stackplot(times, *layers.values(), labels=[KIND_NAMES.get(k, k) for k in layers])
+    mem.plot(times, [s["measured"]["total"] / 2**20 for s in d.timeline], "k.", ms=3,
+             label="measured (OS / allocator)")  # fmt: skip
+    for s, t in zip(d.timeline, times):
+        if s["event"].startswith(("forward model", "backward model")) or "optimizer" in s["event"]:
+            mem.axvline(t, color="grey", lw=0.3)
+    mem.set_xlabel("ms into the step")
+    mem.set_ylabel("MiB")
+    mem.set_title(f"Memory by object, rank {d.rank}, one step (peak at '{d.event}')")
+    mem.set_ylim(bottom=runtime / 2**20 * 0.9)  # the runtime is a floor: show what moves above it
+    mem.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    left = 0.0
+    for phase, seconds in sorted(d.phases_s.items(), key=lambda kv: -kv[1]):
+        if seconds > 0:
+            bar.barh(0, seconds * 1000, left=left, label=f"{phase} {seconds * 1000:.0f} ms")
+            left += seconds * 1000
+    bar.set_yticks([])
+    bar.set_xlabel("ms")
+    bar.set_title("Where the step's time goes")
+    bar.legend(loc="upper left", fontsize=7, ncol=4)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,48 @@
+"""What the OS or the device allocator says a process holds: the outside view a profile's
+objects are reconciled with."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measured_bytes(device: torch.device, peak: bool = False) -> dict[str, int]:
+    """``total``: the bytes the profile's objects are compared with (on CPU the resident set,
+    on a GPU the caching allocator's allocated bytes); ``rss`` always; on a GPU also
+    ``reserved``. ``peak=True``: the highest values since `reset_peak` (VmHWM on CPU)."""
+    if device.type == "cuda":
+        stat = torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated
+        reserved = torch.cuda.max_memory_reserved if peak else torch.cuda.memory_reserved
+        return {
+            "total": stat(device),
+            "reserved": reserved(device),
+            "rss": _status("VmHWM") if peak else _rss(),
+        }
+    rss = _status("VmHWM") if peak else _rss()
+    return {"total": rss, "rss": rss}
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start the peaks of `measured_bytes` from now (VmHWM: Linux's ``clear_refs``)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -1,0 +1,314 @@
+"""`Profiler`: where one rank's memory and time go, step by step, in the user's own run.
+
+Attached by the engine when ``profile: true`` (or ``$HF_ZERO_PROFILE_DIR``, which ``hf-zero
+doctor`` sets). The first step is a warm-up and is not recorded; the next ``profile_steps`` are.
+For each, the profiler keeps:
+
+* a **timeline** of memory samples, one at every phase boundary: each unit's forward and
+  backward (entered, left), each collective the engine issues (a bucket's reduction, a unit's
+  gather), the optimizer step. A sample holds the bytes of every object `memory_report()` counts,
+  the **activations** autograd holds for backward (`SavedTensorMeter`), and what the OS (RSS)
+  or the device allocator says is in use. What the objects do not explain is **other**; the
+  process's footprint before the step (interpreter, libraries, caches) is **runtime**;
+* **time by phase** (`hf_zero.observe.clock`): compute, waiting on collectives inside and
+  across nodes, quantization, host-device copies, disk I/O, the optimizer; and the time between
+  steps (data loading, logging);
+* **tokens** per second (the ``input_ids`` each training forward saw), the bytes each rank sent
+  inside and across nodes (`comm_stats`), and the OS's own peak (VmHWM, reset at each step).
+
+When the last recorded step ends, each rank writes ``profile_rank<r>.json`` to the profile
+folder; `hf_zero.doctor` reads them. ``$HF_ZERO_PROFILE_EXIT=1`` then ends the run (every rank
+at the same step), which is how ``hf-zero doctor -- <command>`` profiles a few steps of a long
+job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_zero.observe import clock
+from hf_zero.profiling.activations import SavedTensorMeter
+from hf_zero.profiling.process_memory import measured_bytes, reset_peak
+from hf_zero.sharding.stage3.units import find_units, true_numel
+
+logger = logging.getLogger(__name__)
+
+ENV_DIR = "HF_ZERO_PROFILE_DIR"
+ENV_STEPS = "HF_ZERO_PROFILE_STEPS"
+ENV_EXIT = "HF_ZERO_PROFILE_EXIT"
+HOST_PREFIX = "host_"
+TOTALS = ("total", "host_total", "nvme_total")
+PROFILED_SETTINGS = (
+    "stage", "precision", "offload_optimizer", "offload_param", "quantized_weights",
+    "hpz_partition_size", "quantized_gradients", "quantized_nontrainable_weights", "tp_size",
+    "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
+)  # fmt: skip
+"""The settings a profile records (what the doctor's recommendations start from)."""
+
+
+def profile_settings(config) -> tuple[Path, int] | None:
+    """(folder, steps) when this run is profiled: the config's ``profile``, or the environment
+    ``hf-zero doctor`` sets; else None."""
+    folder = os.environ.get(ENV_DIR)
+    if folder:
+        return Path(folder), int(os.environ.get(ENV_STEPS, config.profile_steps))
+    if config.profile:
+        return Path(config.profile_dir), config.profile_steps
+    return None
+
+
+class Profiler:
+    """Records one rank's profile (see the module docstring). ``engine`` needs ``module``,
+    ``config``, ``topology``, ``comm`` and ``memory_report()``."""
+
+    def __init__(self, engine, folder: Path, steps: int) -> None:
+        self.engine, self.folder, self.steps = engine, Path(folder), steps
+        self.rank = engine.topology.rank
+        self.device = getattr(engine, "device", torch.device("cpu"))
+        self.meter = SavedTensorMeter()
+        self.seen = 0  # optimizer steps finished (the first is the warm-up)
+        self.records: list[dict] = []
+        self.current: dict | None = None
+        self.clock: clock.PhaseClock | None = None
+        self.runtime = 0
+        self.done = False
+        self.metrics: dict[str, float] = {}
+        """After the last recorded step: the summary a Trainer logs (``profile/...``)."""
+        self.logged = False
+        self.defer_exit = False
+        """Set by the Trainer: it ends the run itself, after logging ``metrics``."""
+        self.exit_requested = os.environ.get(ENV_EXIT) == "1"
+        self._last_end = None
+        self._handles = [engine.module.register_forward_pre_hook(self._root_pre, with_kwargs=True)]
+        self._handles.append(engine.module.register_forward_hook(self._root_post))
+        for name, module in find_units(engine.module)[1:]:
+            self._handles.append(module.register_forward_pre_hook(self._unit_pre(name)))
+            self._handles.append(module.register_forward_hook(self._unit_post(name)))
+
+    @property
+    def recording(self) -> bool:
+        return 1 <= self.seen <= self.steps
+
+    # --- hooks -----------------------------------------------------------------------------
+    def _root_pre(self, module, args, kwargs) -> None:
+        if not (self.recording and module.training and torch.is_grad_enabled()):
+            return
+        if self.current is None:
+            self._begin_step()
+        ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+        if torch.is_tensor(ids):
+            self.current["tokens"] += ids.numel()
+        self.meter.enter()
+        self.sample("forward")
+
+    def _root_post(self, module, args, output) -> None:
+        if self.current is not None and self.meter._entered:
+            self.meter.exit()
+            self.sample("forward done")
+
+    def _unit_pre(self, name: str):
+        def hook(module, args):
+            if self.current is None or not torch.is_grad_enabled():
+                return
+            self.sample(f"forward {name}")
+            for t in args:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._grad_hook(f"backward {name} done"))
+                    break
+
+        return hook
+
+    def _unit_post(self, name: str):
+        def hook(module, args, output):
+            if self.current is None or not torch.is_grad_enabled():
+                return
+            self.sample(f"forward {name} done")
+            first = output[0] if isinstance(output, tuple) else output
+            if torch.is_tensor(first) and first.requires_grad:
+                first.register_hook(self._grad_hook(f"backward {name}"))
+
+        return hook
+
+    def _grad_hook(self, event: str):
+        def hook(grad):
+            if self.current is not None:
+                self.sample(event)
+
+        return hook
+
+    # --- samples ---------------------------------------------------------------------------
+    def sample(self, event: str) -> None:
+        """A memory sample at this moment (also a listener of the phase clock's marks)."""
+        if self.current is None:
+            return
+        report = self.engine.memory_report()
+        objects = {k: v for k, v in report.items() if v and k not in TOTALS}
+        objects["activations"] = self.meter.bytes
+        measured = measured_bytes(self.device)
+        self.current["timeline"].append(
+            {
+                "t": time.perf_counter() - self.current["start"],
+                "event": event,
+                "objects": objects,
+                "measured": measured,
+            }
+        )
+
+    def _begin_step(self) -> None:
+        now = time.perf_counter()
+        if self.clock is None:
+            self.clock = clock.start()
+            self.clock.listeners.append(self.sample)
+        self.current = {
+            "step": self.seen,
+            "start": now,
+            "between_steps_s": now - self._last_end if self._last_end else None,
+            "tokens": 0,
+            "timeline": [],
+            "phases_before": self.clock.snapshot(),
+            "comm_before": _link_bytes(self.engine.comm.stats),
+        }
+        reset_peak(self.device)
+        self.meter.reset_peak()
+        self.sample("step start")
+        first = self.current["timeline"][0]
+        self.runtime = first["measured"]["total"] - _pool_total(first["objects"], self.device)
+
+    def after_step(self) -> None:
+        """The optimizer step finished (the engine calls this once per optimizer step)."""
+        if self.current is not None:
+            self.sample("optimizer step done")
+            self._end_step()
+        self.seen += 1
+        if self.seen == self.steps + 1:
+            self._finish()
+
+    def _end_step(self) -> None:
+        cur, self.current = self.current, None
+        end = time.perf_counter()
+        self._last_end = end
+        wall = end - cur["start"]
+        phases = _diff(self.clock.snapshot(), cur.pop("phases_before"))
+        phases["compute"] = max(0.0, wall - sum(phases.values()))
+        comm = _link_bytes(self.engine.comm.stats)
+        cur.update(
+            wall_s=wall,
+            phases_s=phases,
+            tokens_per_s=cur["tokens"] / wall if wall > 0 else 0.0,
+            sent_bytes={k: max(0, comm[k] - cur["comm_before"][k]) for k in comm},
+            os_peak=measured_bytes(self.device, peak=True),
+            runtime_bytes=self.runtime,
+            activation_peak=self.meter.peak,
+        )
+        del cur["comm_before"], cur["start"]
+        self.records.append(cur)
+
+    def _finish(self) -> None:
+        clock.stop()
+        self.meter.exit()
+        for handle in self._handles:
+            handle.remove()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"profile_rank{self.rank}.json"
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps(self.summary(), indent=1) + "\n")
+        os.replace(tmp, path)
+        if self.rank == 0:
+            print(
+                f"hf_zero: profiled {len(self.records)} steps; wrote {self.folder}/"
+                "profile_rank*.json (read it with: hf-zero doctor --profile "
+                f"{self.folder})",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.done = True
+        self.metrics = _log_metrics(self.records)
+        if self.exit_requested and not self.defer_exit:
+            self.exit()
+
+    def exit(self) -> None:
+        """End the run here, on every rank (each calls it at the same step)."""
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        raise SystemExit(0)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``profile_rank<r>.json`` holds."""
+        engine, topo = self.engine, self.engine.topology
+        config = engine.config
+        return {
+            "rank": self.rank,
+            "world_size": topo.world_size,
+            "ranks_per_node": getattr(topo, "node_size", None) or topo.world_size,
+            "device": self.device.type,
+            "pools": "one" if self.device.type == "cpu" else "device+host",
+            "config": {k: getattr(config, k, None) for k in PROFILED_SETTINGS},
+            "model": _model_facts(engine.module),
+            "steps": self.records,
+        }
+
+
+def _log_metrics(records: list[dict]) -> dict[str, float]:
+    """This rank's profile in a few numbers (a Trainer logs them; TensorBoard shows them)."""
+    peak_step, peak = max(
+        ((r, s) for r in records for s in r["timeline"]), key=lambda rs: rs[1]["measured"]["total"]
+    )
+    walls = sorted(r["wall_s"] for r in records)
+    median = next(r for r in records if r["wall_s"] == walls[(len(walls) - 1) // 2])
+    out = {
+        "profile/peak_MiB": peak["measured"]["total"] / 2**20,
+        "profile/os_peak_MiB": peak_step["os_peak"]["total"] / 2**20,
+        "profile/step_ms": median["wall_s"] * 1000,
+        "profile/tokens_per_s": median["tokens_per_s"],
+    }
+    for phase, seconds in median["phases_s"].items():
+        out[f"profile/share_{phase}"] = seconds / median["wall_s"]
+    for kind, nbytes in peak["objects"].items():
+        out[f"profile/peak_MiB_{kind}"] = nbytes / 2**20
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def _pool_total(objects: dict[str, int], device: torch.device) -> int:
+    """Bytes of the objects in the pool the measured total covers (on CPU, every object is in
+    the process's memory; on a GPU, the device ones)."""
+    if device.type == "cpu":
+        return sum(v for k, v in objects.items() if not k.startswith("nvme_"))
+    return sum(v for k, v in objects.items() if not k.startswith((HOST_PREFIX, "nvme_")))
+
+
+def _diff(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: now.get(k, 0.0) - before.get(k, 0.0) for k in clock.PHASES if k != "compute"}
+
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+
+def _link_bytes(stats) -> dict[str, int]:
+    """Bytes this rank has sent, inside its node and across nodes (every purpose), and across
+    nodes per kind of collective (what ZeRO++ would shrink)."""
+    out = {
+        "intra_node": stats.wire_bytes(inter_node=False),
+        "inter_node": stats.wire_bytes(inter_node=True),
+    }
+    out.update({f"inter_node.{k}": stats.wire_bytes(k, inter_node=True) for k in COMM_KINDS})
+    return out
+
+
+def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    units = find_units(model)
+    return {
+        "parameters": sum(true_numel(p) for p in model.parameters()),
+        "trainable": sum(true_numel(p) for p in model.parameters() if p.requires_grad),
+        "units": len(units) - 1,
+        "hidden_size": getattr(config, "hidden_size", None),
+        "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+    }
