@@ -133,17 +133,33 @@ def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
         d.step_s, f"{max(0.0, frozen - kept) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
 
 
+def _less_activations(now: dict, saved: float) -> dict:
+    """The objects with ``saved`` bytes fewer of activations: from those held at the peak, the
+    rest from "other" (memory the allocator kept from freed activations: the peak of a step
+    that peaks after backward still sits on the activations' high-water mark)."""
+    held = now.get("activations", 0)
+    from_held = min(held, saved)
+    other = now.get("other", 0)
+    return dict(
+        now,
+        activations=int(held - from_held),
+        other=int(other - min(max(other, 0), saved - from_held)),
+    )
+
+
 def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
-    a = max(now.get("activations", 0), 0)
+    a = d.activations_peak  # the step's high-water mark, whenever the peak itself came
     if not a:
         return
     hidden = d.model.get("hidden_size") or 0
     tokens = d.tokens_per_s * d.step_s / max(1, d.world_size)
-    kept = units * tokens * hidden * _dtype_bytes(d) + a / units
+    # Each unit's input stays; in backward one unit's activations are recomputed and their
+    # gradients made (two units' worth).
+    kept = units * tokens * hidden * _dtype_bytes(d) + 2 * a / units
     if hidden and kept < a:
         compute = d.phases_s.get("compute", 0.0)
         add("checkpointing", "recompute activations in backward (activation checkpointing)",
-            ["--gradient_checkpointing", "true"], dict(now, activations=int(kept)),
+            ["--gradient_checkpointing", "true"], _less_activations(now, a - kept),
             d.step_s + ASSUMED["recompute_share"] * compute,
             f"{(a - kept) / 2**20:.1f} MiB of activations")  # fmt: skip
     micro = d.config.get("train_micro_batch_size_per_gpu") or 0
@@ -154,7 +170,7 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
         add("micro-batch", "halve the micro-batch, double accumulation (same effective batch)",
             ["--per_device_train_batch_size", str(micro // 2),
              "--gradient_accumulation_steps", str(gas * 2)],
-            dict(now, activations=a // 2), d.step_s + extra, f"{a / 2 / 2**20:.1f} MiB of activations")  # fmt: skip
+            _less_activations(now, a / 2), d.step_s + extra, f"{a / 2 / 2**20:.1f} MiB of activations")  # fmt: skip
 
 
 def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:

@@ -84,15 +84,17 @@ class Diagnosis:
 def diagnose(profiles: list[dict]) -> Diagnosis:
     """The rank and step with the highest measured memory, its make-up, and the median step's
     time breakdown over every recorded step of that rank (tokens per second: all ranks)."""
-    best = None
-    for profile in profiles:
-        for step in profile["steps"]:
-            for sample in step["timeline"]:
-                if best is None or sample["measured"]["total"] > best[2]["measured"]["total"]:
-                    best = (profile, step, sample)
-    if best is None:
+    samples = [(p, st, sa) for p in profiles for st in p["steps"] for sa in st["timeline"]]
+    if not samples:
         raise ValueError("hf_zero doctor: the profile holds no recorded step")
-    profile, step, sample = best
+    top = max(sa["measured"]["total"] for _, _, sa in samples)
+    # Freed memory often stays with the process (the allocator keeps it), so the measured total
+    # plateaus at its peak: of the samples on the plateau, the peak moment is the one where the
+    # objects held are largest (what put the process there), not a later one holding a cache.
+    plateau = [s for s in samples if s[2]["measured"]["total"] >= 0.99 * top]
+    profile, step, sample = max(
+        plateau, key=lambda s: sum(_pooled(s[2]["objects"], s[0]["device"]).values())
+    )
     makeup = dict(sample["objects"])
     pooled = _pooled(makeup, profile["device"])
     runtime = step["runtime_bytes"]

@@ -46,3 +46,34 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+class PeakWatch:
+    """A daemon thread that reads the measured total every ``interval`` seconds and keeps the
+    highest value since `reset`, with the index of the profile sample taken last before it: so a
+    peak between two phase boundaries (an optimizer's temporaries, a gradient in flight) is
+    seen, and told with the objects of the boundary before it."""
+
+    def __init__(self, device: torch.device, last_sample, interval: float = 0.01) -> None:
+        import threading
+
+        self.device, self.last_sample, self.interval = device, last_sample, interval
+        self.high, self.at = 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hf_zero_peak_watch", daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        self.high, self.at = 0, None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(Exception):  # never let watching hurt the run
+                total = measured_bytes(self.device)["total"]
+                if total > self.high:
+                    self.high, self.at = total, (time.perf_counter(), self.last_sample())

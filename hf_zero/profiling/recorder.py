@@ -8,8 +8,10 @@ For each, the profiler keeps:
   backward (entered, left), each collective the engine issues (a bucket's reduction, a unit's
   gather), the optimizer step. A sample holds the bytes of every object `memory_report()` counts,
   the **activations** autograd holds for backward (`SavedTensorMeter`), and what the OS (RSS)
-  or the device allocator says is in use. What the objects do not explain is **other**; the
-  process's footprint before the step (interpreter, libraries, caches) is **runtime**;
+  or the device allocator says is in use. The process's footprint before the first step, less
+  the model states (interpreter, libraries, what the build kept) is **runtime**; what neither
+  explains is **other** (temporaries, buffers in flight, memory the allocator keeps after
+  freeing it; negative when activations reuse memory the allocator already held);
 * **time by phase** (`hf_zero.observe.clock`): compute, waiting on collectives inside and
   across nodes, quantization, host-device copies, disk I/O, the optimizer; and the time between
   steps (data loading, logging);
@@ -36,7 +38,7 @@ import torch
 
 from hf_zero.observe import clock
 from hf_zero.profiling.activations import SavedTensorMeter
-from hf_zero.profiling.process_memory import measured_bytes, reset_peak
+from hf_zero.profiling.process_memory import PeakWatch, measured_bytes, reset_peak
 from hf_zero.sharding.stage3.units import find_units, true_numel
 
 logger = logging.getLogger(__name__)
@@ -74,11 +76,11 @@ class Profiler:
         self.rank = engine.topology.rank
         self.device = getattr(engine, "device", torch.device("cpu"))
         self.meter = SavedTensorMeter()
+        self.watch: PeakWatch | None = None
         self.seen = 0  # optimizer steps finished (the first is the warm-up)
         self.records: list[dict] = []
         self.current: dict | None = None
         self.clock: clock.PhaseClock | None = None
-        self.runtime = 0
         self.done = False
         self.metrics: dict[str, float] = {}
         """After the last recorded step: the summary a Trainer logs (``profile/...``)."""
@@ -87,6 +89,11 @@ class Profiler:
         """Set by the Trainer: it ends the run itself, after logging ``metrics``."""
         self.exit_requested = os.environ.get(ENV_EXIT) == "1"
         self._last_end = None
+        # The process before any step (interpreter, libraries, what building the engine kept):
+        # measured now, when the model states are the only objects.
+        report = engine.memory_report()
+        objects = {k: v for k, v in report.items() if v and k not in TOTALS}
+        self.runtime = measured_bytes(self.device)["total"] - _pool_total(objects, self.device)
         self._handles = [engine.module.register_forward_pre_hook(self._root_pre, with_kwargs=True)]
         self._handles.append(engine.module.register_forward_hook(self._root_post))
         for name, module in find_units(engine.module)[1:]:
@@ -167,6 +174,7 @@ class Profiler:
         if self.clock is None:
             self.clock = clock.start()
             self.clock.listeners.append(self.sample)
+            self.watch = PeakWatch(self.device, lambda: len(self.current["timeline"]) - 1)
         self.current = {
             "step": self.seen,
             "start": now,
@@ -179,17 +187,35 @@ class Profiler:
         reset_peak(self.device)
         self.meter.reset_peak()
         self.sample("step start")
-        first = self.current["timeline"][0]
-        self.runtime = first["measured"]["total"] - _pool_total(first["objects"], self.device)
+        self.watch.reset()
 
     def after_step(self) -> None:
         """The optimizer step finished (the engine calls this once per optimizer step)."""
         if self.current is not None:
             self.sample("optimizer step done")
+            self._add_watched_peak()
             self._end_step()
         self.seen += 1
         if self.seen == self.steps + 1:
             self._finish()
+
+    def _add_watched_peak(self) -> None:
+        """The watch thread's highest reading, when above every boundary sample: a sample of
+        its own, with the objects of the boundary before it."""
+        timeline, watch = self.current["timeline"], self.watch
+        if watch.at is None or watch.high <= max(s["measured"]["total"] for s in timeline):
+            return
+        when, index = watch.at
+        before = timeline[max(0, index)]
+        timeline.append(
+            {
+                "t": when - self.current["start"],
+                "event": f"after '{before['event']}' (between boundaries)",
+                "objects": dict(before["objects"]),
+                "measured": {"total": watch.high, "rss": watch.high},
+            }
+        )
+        timeline.sort(key=lambda s: s["t"])
 
     def _end_step(self) -> None:
         cur, self.current = self.current, None
@@ -213,6 +239,8 @@ class Profiler:
 
     def _finish(self) -> None:
         clock.stop()
+        if self.watch is not None:
+            self.watch.stop()
         self.meter.exit()
         for handle in self._handles:
             handle.remove()

@@ -1,0 +1,165 @@
+"""``hf-zero doctor`` and the profiles it reads, checked from outside.
+
+* A profiled run's make-up adds up (objects + runtime + other = the sampled peak) and the sampled
+  peak is within 5% of the OS's own peak (VmHWM, reset at each step).
+* Recommendations are predictions that hold: each change is applied in a fresh pair of ranks and
+  its measured peak (VmHWM) is within 10% of the predicted one; where the predicted step time
+  moves by more than 10% it moves that way.
+* The doctor wraps an unmodified Trainer launch: it profiles a few steps, ends the run, prints the
+  report and the recommendations, writes doctor.json and doctor.png, and the Trainer's own logs
+  carry the profile's summary.
+* On a slow inter-node link the recommendation is ZeRO++ (from a profile's numbers alone).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_zero
+from hf_zero.doctor.advice import Budget, recommend
+from hf_zero.doctor.command import parse_size
+from hf_zero.doctor.diagnosis import Diagnosis, _pooled, diagnose, load_profiles
+from hf_zero.testing import run_distributed
+from hf_zero.tiny import tiny_llama, token_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {
+    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256,
+}  # fmt: skip
+"""19M parameters: model states and activations (~600 MiB per rank at stage 0) well above the
+process's own ~300 MiB, so a 10% check is about them."""
+CASES = {  # stage, micro-batch, accumulation, activation checkpointing
+    "base": (0, 8, 1, False),
+    "stage 2": (2, 8, 1, False),
+    "stage 3": (3, 8, 1, False),
+    "micro-batch": (0, 4, 2, False),
+    "checkpointing": (0, 8, 1, True),
+}
+
+
+def _profiled_run(folder: str, stage: int, micro: int, gas: int, checkpointing: bool) -> None:
+    model = tiny_llama(0, **MODEL)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage, profile=True,
+        profile_steps=2, profile_dir=folder, gradient_accumulation_steps=gas,
+        train_micro_batch_size_per_gpu=micro,
+    )  # fmt: skip
+    batches = token_batches(128, micro, dist.get_rank(), dist.get_world_size(), seed=0)
+    for _ in range(3 * gas):  # a warm-up step, then the two recorded
+        x = next(batches)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, Diagnosis]:
+    root = tmp_path_factory.mktemp("doctor")
+    out = {}
+    for name, case in CASES.items():  # each in fresh processes: RSS is not given back between
+        run_distributed(_profiled_run, 2, args=(str(root / name), *case), timeout=300)
+        out[name] = diagnose(load_profiles(root / name))
+    return out
+
+
+def test_the_peak_make_up_adds_up_and_matches_the_os(measured):
+    base = measured["base"]
+    assert sum(base.makeup.values()) == base.peak_bytes
+    kinds = {k for k, v in base.makeup.items() if v > 0}
+    assert {"params", "grads", "optimizer_states", "runtime"} <= kinds, kinds
+    assert base.activations_peak > 100 * 2**20  # ~300 MiB saved for backward at its height
+    for name, d in measured.items():
+        assert abs(d.peak_bytes / d.os_peak_bytes - 1) < 0.05, (name, d.peak_bytes, d.os_peak_bytes)
+        assert set(d.phases_s) >= {"compute", "comm_wait_intra", "optimizer"}
+        assert d.tokens_per_s > 0 and d.sent_bytes["intra_node"] > 0
+
+
+def test_each_recommendation_holds_when_applied(measured):
+    base = measured["base"]
+    predicted = {c.kind: c for c in recommend(base)}
+    assert [k for k in CASES if k != "base"] == [k for k in CASES if k in predicted]
+    for kind, d in measured.items():
+        if kind == "base":
+            continue
+        change = predicted[kind]
+        assert abs(d.os_peak_bytes / change.peak_bytes - 1) < 0.10, (kind, d.os_peak_bytes, change)
+        move = change.step_s / base.step_s - 1
+        if abs(move) > 0.10:  # predicted slower (stage 3, recomputation): it is
+            assert (d.step_s / base.step_s - 1) * move > 0, (kind, d.step_s, base.step_s, move)
+        else:
+            assert abs(d.step_s / base.step_s - 1) < 0.3, (kind, d.step_s, base.step_s)
+
+
+def _synthetic(inter_wait: float, link_bytes: float) -> Diagnosis:
+    """A stage-3 bf16 profile of 2 nodes x 2 ranks whose step waits ``inter_wait`` s on the
+    link for ``link_bytes`` bytes (half gathers, half reductions), as the cluster benchmark's."""
+    objects = {"params": 2 << 20, "grads": 2 << 20, "optimizer_states": 8 << 20}
+    return Diagnosis(
+        rank=0, step=1, event="backward", peak_bytes=400 << 20, os_peak_bytes=400 << 20,
+        makeup={**objects, "runtime": 380 << 20, "other": 8 << 20}, step_s=inter_wait + 0.2,
+        phases_s={"compute": 0.2, "comm_wait_inter": inter_wait},
+        tokens_per_s=1000.0, world_size=4, ranks_per_node=2,
+        sent_bytes={"intra_node": 1e6, "inter_node": link_bytes,
+                    "inter_node.all_gather": link_bytes / 2,
+                    "inter_node.reduce_scatter": link_bytes / 2},
+        config={"stage": 3, "precision": "bf16", "tp_size": 1},
+        model={"parameters": 3_000_000, "trainable": 3_000_000, "units": 4, "hidden_size": 64},
+        activations_peak=0,
+    )  # fmt: skip
+
+
+def test_a_slow_inter_node_link_gets_zeropp_first():
+    link = 8e6  # bytes per step across nodes
+    slow = recommend(_synthetic(link * 8 / 200e6, link), Budget(link_gbps=0.2))
+    assert slow[0].kind == "zero++", [(c.kind, c.step_s) for c in slow]
+    assert "--zero_quantized_weights true" in " ".join(slow[0].flags)
+    assert slow[0].step_s < 0.6 * _synthetic(link * 8 / 200e6, link).step_s
+    fast = recommend(_synthetic(link * 8 / 100e9, link), Budget(link_gbps=100))
+    zeropp = next(c for c in fast if c.kind == "zero++")
+    assert zeropp.step_s > 0.9 * fast[0].step_s  # nothing much to win on a fast link
+
+
+def test_sizes_and_a_budget_that_nothing_meets():
+    assert parse_size("40GiB") == 40 * 2**30 and parse_size("1.5 GB") == 1.5e9
+    with pytest.raises(Exception, match="is not a size"):
+        parse_size("40 gigs")
+    tight = recommend(_synthetic(0.1, 1e6), Budget(device_memory=1 << 20))
+    assert tight and not any(c.fits for c in tight)
+
+
+def test_doctor_profiles_an_unmodified_trainer_launch(tmp_path):
+    """``hf-zero doctor -- accelerate launch ... -m hf_zero.run script.py``: two steps after a
+    warm-up, then the run ends; the report, the JSON, the picture and the Trainer's logs."""
+    out = tmp_path / "doctor"
+    script = str(ROOT / "tests" / "scripts" / "stock_trainer.py")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    launch += [str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "-m", "hf_zero.run", script]
+    launch += ["--output_dir", str(tmp_path / "run"), "--max_steps", "20", "--zero_stage", "3"]
+    launch += ["--per_device_train_batch_size", "4", "--report_to", "none", "--logging_steps", "50"]
+    cmd = [sys.executable, "-m", "hf_zero.cli", "doctor", "--steps", "2", "--out", str(out)]
+    cmd += ["--device-memory", "4GiB", "--", *launch]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Peak memory:" in done.stdout and "| # | change |" in done.stdout, done.stdout
+    report = json.loads((out / "doctor.json").read_text())
+    assert report["diagnosis"]["config"]["stage"] == 3 and report["changes"]
+    assert (out / "doctor.png").stat().st_size > 10_000
+    logged = [line for line in done.stdout.splitlines() if "'profile/peak_MiB'" in line]
+    assert len(logged) == 1, done.stdout[-3000:]  # the Trainer's log line, once (rank 0)
+    assert not (tmp_path / "run" / "report_rank0.json").exists()  # ended after 3 of 20 steps
+    profiles = load_profiles(out / "profile")
+    assert [len(p["steps"]) for p in profiles] == [2, 2]
+    for p in profiles:
+        for step in p["steps"]:
+            peak = max(s["measured"]["total"] for s in step["timeline"])
+            assert abs(peak / step["os_peak"]["total"] - 1) < 0.05
+            assert all(_pooled(s["objects"], "cpu") for s in step["timeline"])
