@@ -29,6 +29,7 @@ def _rank(folder: str, shape: dict, repeats: int) -> dict:
     import torch.distributed as dist
 
     import hf_zero
+    from hf_zero.checkpoint import format as checkpoint_format
     from hf_zero.storage import safetensors as checkpoint_stream
     from hf_zero.tiny import tiny_llama, token_batches
 
