@@ -162,9 +162,8 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
             ["--gradient_checkpointing", "true"], _less_activations(now, a - kept),
             d.step_s + ASSUMED["recompute_share"] * compute,
             f"{(a - kept) / 2**20:.1f} MiB of activations")  # fmt: skip
-    micro = d.config.get("train_micro_batch_size_per_gpu") or 0
-    gas = d.config.get("gradient_accumulation_steps") or 1
-    if isinstance(micro, int) and micro >= 2:
+    micro, gas = d.micro_batch or 0, d.micro_batches
+    if micro >= 2:
         extra = d.phases_s.get("comm_wait_intra", 0) + d.phases_s.get("comm_wait_inter", 0)
         extra = extra if d.config.get("stage") == 3 else 0.0  # stage 3 gathers per micro-batch
         add("micro-batch", "halve the micro-batch, double accumulation (same effective batch)",
@@ -180,11 +179,13 @@ def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
     k = 2
     split = ("params", "grads", "master_weights", "optimizer_states", "activations")
     objects = _scaled(now, **dict.fromkeys(split, 1 / k))
-    compute = d.phases_s.get("compute", 0.0)
-    add("tp", f"split each layer's matrices over {k} ranks (AutoTP)", ["--zero_tp_size", str(k)],
-        objects, d.step_s - compute + compute / k,
+    # k ranks now share each micro-batch: k times the accumulation keeps the effective batch,
+    # and each rank computes 1/k of every matrix product for k times the micro-batches.
+    add("tp", f"split each layer's matrices over {k} ranks (AutoTP)",
+        ["--zero_tp_size", str(k), "--gradient_accumulation_steps", str(k * d.micro_batches)],
+        objects, d.step_s,
         f"{sum(now.get(x, 0) for x in split) / k / 2**20:.1f} MiB of one rank's share",
-        ["adds an activation all-reduce per layer inside the node"])  # fmt: skip
+        ["plus an activation all-reduce per layer inside the node (not predicted)"])  # fmt: skip
 
 
 def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:

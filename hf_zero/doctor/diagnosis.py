@@ -62,6 +62,10 @@ class Diagnosis:
     model: dict[str, Any]
     activations_peak: int
     device: str = "cpu"
+    micro_batch: int | None = None
+    """Sequences per forward, as the recorded steps saw them."""
+    micro_batches: int = 1
+    """Forwards per optimizer step (gradient accumulation)."""
     timeline: list[dict] = field(default_factory=list)
 
     @property
@@ -122,6 +126,8 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
         model=profile["model"],
         activations_peak=max(s["activation_peak"] for s in steps),
         device=profile["device"],
+        micro_batch=median.get("micro_batch"),
+        micro_batches=median.get("micro_batches") or 1,
         timeline=median["timeline"],
     )
 

@@ -113,6 +113,8 @@ class Profiler:
         ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
         if torch.is_tensor(ids):
             self.current["tokens"] += ids.numel()
+            self.current["micro_batch"] = ids.shape[0] if ids.dim() > 1 else 1
+            self.current["micro_batches"] += 1
         self.meter.enter()
         self.sample("forward")
 
@@ -180,6 +182,8 @@ class Profiler:
             "start": now,
             "between_steps_s": now - self._last_end if self._last_end else None,
             "tokens": 0,
+            "micro_batch": None,
+            "micro_batches": 0,
             "timeline": [],
             "phases_before": self.clock.snapshot(),
             "comm_before": _link_bytes(self.engine.comm.stats),
