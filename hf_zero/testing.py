@@ -144,3 +144,35 @@ def run_distributed(
             lines.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (hang?)")
         raise AssertionError("\n".join(lines))
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
+
+
+DOCTOR_MODEL = {
+    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256,
+}  # fmt: skip
+"""A 19M-parameter Llama whose model states and activations (~600 MiB per rank at stage 0, batch
+8 x 128, fp32) stand well above the process's own ~300 MiB: the doctor's test and benchmark."""
+
+
+def profiled_training(
+    folder: str, stage: int, micro: int, gas: int, checkpointing: bool, steps: int
+) -> None:
+    """One rank (under `run_distributed`): train `DOCTOR_MODEL` with ``profile: true`` for a
+    warm-up step and ``steps`` recorded ones, writing the profile to ``folder``."""
+    import hf_zero
+    from hf_zero.tiny import tiny_llama, token_batches
+
+    model = tiny_llama(0, **DOCTOR_MODEL)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage, profile=True,
+        profile_steps=steps, profile_dir=folder, gradient_accumulation_steps=gas,
+        train_micro_batch_size_per_gpu=micro,
+    )  # fmt: skip
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batches = token_batches(128, micro, rank, world, seed=0)
+    for _ in range((steps + 1) * gas):
+        x = next(batches)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()

@@ -3,8 +3,9 @@
 * A profiled run's make-up adds up (objects + runtime + other = the sampled peak) and the sampled
   peak is within 5% of the OS's own peak (VmHWM, reset at each step).
 * Recommendations are predictions that hold: each change is applied in a fresh pair of ranks and
-  its measured peak (VmHWM) is within 10% of the predicted one; where the predicted step time
-  moves by more than 10% it moves that way.
+  its measured peak (VmHWM) is within 10% of the predicted one. (Step times are timings, which
+  stay out of pass/fail tests: ``benchmarks/bench_doctor.py`` compares predicted and measured
+  step times over interleaved rounds.)
 * The doctor wraps an unmodified Trainer launch: it profiles a few steps, ends the run, prints the
   report and the recommendations, writes doctor.json and doctor.png, and the Trainer's own logs
   carry the profile's summary.
@@ -18,23 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
-import hf_zero
 from hf_zero.doctor.advice import Budget, recommend
 from hf_zero.doctor.command import parse_size
 from hf_zero.doctor.diagnosis import Diagnosis, _pooled, diagnose, load_profiles
-from hf_zero.testing import run_distributed
-from hf_zero.tiny import tiny_llama, token_batches
+from hf_zero.testing import profiled_training, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = {
-    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256,
-}  # fmt: skip
-"""19M parameters: model states and activations (~600 MiB per rank at stage 0) well above the
-process's own ~300 MiB, so a 10% check is about them."""
 CASES = {  # stage, micro-batch, accumulation, activation checkpointing
     "base": (0, 8, 1, False),
     "stage 2": (2, 8, 1, False),
@@ -44,28 +35,12 @@ CASES = {  # stage, micro-batch, accumulation, activation checkpointing
 }
 
 
-def _profiled_run(folder: str, stage: int, micro: int, gas: int, checkpointing: bool) -> None:
-    model = tiny_llama(0, **MODEL)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    engine = hf_zero.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage, profile=True,
-        profile_steps=2, profile_dir=folder, gradient_accumulation_steps=gas,
-        train_micro_batch_size_per_gpu=micro,
-    )  # fmt: skip
-    batches = token_batches(128, micro, dist.get_rank(), dist.get_world_size(), seed=0)
-    for _ in range(3 * gas):  # a warm-up step, then the two recorded
-        x = next(batches)
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        engine.step()
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, Diagnosis]:
     root = tmp_path_factory.mktemp("doctor")
     out = {}
     for name, case in CASES.items():  # each in fresh processes: RSS is not given back between
-        run_distributed(_profiled_run, 2, args=(str(root / name), *case), timeout=300)
+        run_distributed(profiled_training, 2, args=(str(root / name), *case, 2), timeout=300)
         out[name] = diagnose(load_profiles(root / name))
     return out
 
@@ -91,11 +66,6 @@ def test_each_recommendation_holds_when_applied(measured):
             continue
         change = predicted[kind]
         assert abs(d.os_peak_bytes / change.peak_bytes - 1) < 0.10, (kind, d.os_peak_bytes, change)
-        move = change.step_s / base.step_s - 1
-        if abs(move) > 0.10:  # predicted slower (stage 3, recomputation): it is
-            assert (d.step_s / base.step_s - 1) * move > 0, (kind, d.step_s, base.step_s, move)
-        else:
-            assert abs(d.step_s / base.step_s - 1) < 0.3, (kind, d.step_s, base.step_s)
 
 
 def _synthetic(inter_wait: float, link_bytes: float) -> Diagnosis:

@@ -66,10 +66,13 @@ def _engine(model, stage: int, precision: str = "bf16", lr: float = 1e-3, **cfg)
     )
 
 
-def _train(engine, steps: int, same_batch: bool = False) -> list[float]:
+def _train(engine, steps: int, same_batch: bool = False, batch=None) -> list[float]:
+    """``steps`` steps on this rank's batches (``same_batch``: the first one every step;
+    ``batch``: that one every step)."""
     batches = token_batches(32, 2, dist.get_rank(), dist.get_world_size(), seed=3)
     losses = []
-    x = next(batches)
+    x = next(batches) if batch is None else batch
+    same_batch = same_batch or batch is not None
     for step in range(steps):
         if step and not same_batch:
             x = next(batches)
@@ -241,14 +244,7 @@ def _one_process_bf16(path: str, quant: str) -> list[float]:
     """The same bf16 setup in one process: both ranks' batches as one batch of 4."""
     engine = _engine(load_quantized(path, quant), 0, lr=1e-2)
     x = torch.cat([next(token_batches(32, 2, r, 2, seed=3)) for r in (0, 1)])
-    losses = []
-    for _ in range(3):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _train(engine, 3, batch=x)
 
 
 @pytest.mark.parametrize("quant", ["nf4-bf16", "fp4-uint8", "int8"])

@@ -20,11 +20,13 @@ ASSUMED = {
     "copy_gbytes_per_s": 10.0,
     "recompute_share": 1 / 3,
     "quantize_gbytes_per_s": 2.0,
+    "stage3_compute_share": 0.25,
 }
 """Figures a prediction needs that one profile does not measure: host-device copy bandwidth
 (GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
-forward + backward), and quantization throughput (GB/s of input) for ZeRO++ without a measured
-``quantize`` phase."""
+forward + backward), quantization throughput (GB/s of input) for ZeRO++ without a measured
+``quantize`` phase, and what gathering and releasing each unit adds to stage 3's compute (0.25:
+measured on 2 CPU ranks by benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0)."""
 
 QUANT_BLOCK = 256
 """Elements per scale of hf_zero's INT8 and INT4 blocks (one fp32 scale each)."""
@@ -93,9 +95,11 @@ def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
         working = 2 * p / units  # two units gathered at once (the current one, the prefetched)
         objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
         objects["params"] = int(p / n + working)
+        compute = d.phases_s.get("compute", 0.0)
+        step = d.step_s + 0.5 * comm + ASSUMED["stage3_compute_share"] * compute
         add("stage 3", "shard the parameters too (ZeRO-3)", ["--zero_stage", "3"], objects,
-            d.step_s + 0.5 * comm, f"{(p - objects['params']) / 2**20:.1f} MiB of parameters",
-            ["~1.5x the communication of stage 2"])  # fmt: skip
+            step, f"{(p - objects['params']) / 2**20:.1f} MiB of parameters",
+            ["~1.5x the communication of stage 2, plus gathering and releasing each unit"])  # fmt: skip
     _offload(d, now, stage, add)
     _frozen_base(d, now, stage, n, add)
     _activations(d, now, units, add)
@@ -153,9 +157,9 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
         return
     hidden = d.model.get("hidden_size") or 0
     tokens = d.tokens_per_s * d.step_s / max(1, d.world_size)
-    # Each unit's input stays; in backward one unit's activations are recomputed and their
-    # gradients made (two units' worth).
-    kept = units * tokens * hidden * _dtype_bytes(d) + 2 * a / units
+    # Each unit's input stays; in backward one unit's activations are recomputed, and their
+    # gradients and the gradient of the unit's input are made (about three units' worth).
+    kept = units * tokens * hidden * _dtype_bytes(d) + 3 * a / units
     if hidden and kept < a:
         compute = d.phases_s.get("compute", 0.0)
         add("checkpointing", "recompute activations in backward (activation checkpointing)",
