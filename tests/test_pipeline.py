@@ -358,5 +358,7 @@ def test_what_pipelines_do_not_combine_with_is_refused_clearly():
     assert "2 x pp_microbatches" in msgs[0]
     msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, stage=2, offload_optimizer="cpu"),))
     assert "'offload_optimizer' = 'cpu' with 'pp_size' > 1" in msgs[0]
+    msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, stage=1, profile=True),))
+    assert "profiling ('profile' = true, hf-zero doctor) is not implemented" in msgs[0]
     msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, tp_size=2),))
     assert "'pp_size' = 2 x 'tp_size' = 2 must divide the number of processes (2)" in msgs[0]

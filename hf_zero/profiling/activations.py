@@ -35,6 +35,11 @@ class SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._entered = False
 
+    @property
+    def counting(self) -> bool:
+        """Between `enter` and `exit`."""
+        return self._entered
+
     def enter(self) -> None:
         """Count what the forward about to run saves (until `exit`)."""
         if not self._entered:

@@ -119,7 +119,7 @@ class Profiler:
         self.sample("forward")
 
     def _root_post(self, module, args, output) -> None:
-        if self.current is not None and self.meter._entered:
+        if self.current is not None and self.meter.counting:
             self.meter.exit()
             self.sample("forward done")
 
