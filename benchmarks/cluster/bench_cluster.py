@@ -84,6 +84,9 @@ def run_one(cluster, mode: str, args, port: int, launcher: str = "torchrun") -> 
     env = {"PYTHONPATH": args.pythonpath} if args.pythonpath else {}
     if mode.startswith("ds_"):
         env["DS_ACCELERATOR"] = "cpu"
+    doctor = args.doctor and not mode.startswith(("ds_", "ddp"))
+    if doctor:  # what `hf-zero doctor` sets: every rank records its profile
+        env.update(HF_ZERO_PROFILE_DIR=str(workdir / "profile"), HF_ZERO_PROFILE_STEPS="3")
     outside_before = cluster.link_bytes()
     start = time.perf_counter()
     try:
@@ -109,6 +112,7 @@ def run_one(cluster, mode: str, args, port: int, launcher: str = "torchrun") -> 
             row[0] += calls / args.steps / len(ranks)
             row[1] += nbytes / args.steps / len(ranks)
     return {
+        "doctor": _doctor(workdir / "profile", args.rate) if doctor else None,
         "traced_per_rank_per_step": {k: v for k, v in traced.items() if v[0]},
         "step_s": statistics.median(r["step_s"] for r in ranks),
         "link_bytes_per_step": link / args.steps,
@@ -118,6 +122,24 @@ def run_one(cluster, mode: str, args, port: int, launcher: str = "torchrun") -> 
         "whole_run_link_bytes": cluster.link_bytes() - outside_before,
         "whole_run_s": wall,
         "per_collective_off_node_bytes": per_collective,
+    }
+
+
+def _doctor(folder: Path, rate: str) -> dict:
+    """What `hf-zero doctor --link-gbps <rate> --nodes 2 --gpus-per-node 2` says of a profile."""
+    from hf_zero.doctor.advice import Budget, recommend
+    from hf_zero.doctor.diagnosis import diagnose, load_profiles
+
+    gbps = float(rate.removesuffix("mbit")) / 1000 if rate.endswith("mbit") else None
+    gbps = float(rate.removesuffix("gbit")) if rate.endswith("gbit") else gbps
+    d = diagnose(load_profiles(folder))
+    changes = recommend(d, Budget(link_gbps=gbps, nodes=2, gpus_per_node=2))
+    return {
+        "step_s": d.step_s,
+        "comm_wait_share": d.comm_wait_share,
+        "phases_s": d.phases_s,
+        "first": changes[0].kind if changes else None,
+        "changes": [(c.kind, round(c.step_s, 4), " ".join(c.flags)) for c in changes],
     }
 
 
@@ -205,6 +227,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0 (workdir)")
     parser.add_argument("--profile_sort", default="tottime")
     parser.add_argument("--extra", default=None, help="more hf_zero config for its modes (JSON)")
+    parser.add_argument(
+        "--doctor", action="store_true", help="profile hf_zero's modes; the doctor's advice"
+    )
     parser.add_argument("--pythonpath", default=None, help="e.g. where DeepSpeed is installed")
     parser.add_argument("--out", default="benchmarks/results/cluster")
     args = parser.parse_args()
@@ -218,6 +243,7 @@ def main() -> None:
             cluster.shape(None)
             results["link_bytes_per_collective"] = per_collective(cluster, args, port)
         for rate in args.rates.split(","):
+            args.rate = rate
             cluster.shape(None if rate == "none" else rate)
             rows = results.setdefault(rate, {})
             rounds: dict[str, list[dict]] = {}
@@ -231,6 +257,14 @@ def main() -> None:
                 port += 1
                 rows["zero3_accelerate"] = run_one(cluster, "zero3", args, port, "accelerate")
             print_table(rate, rows)
+            for mode, row in rows.items():
+                if row.get("doctor"):
+                    d = row["doctor"]
+                    print(
+                        f"doctor, {LABELS[mode]} at {rate}: waiting across nodes "
+                        f"{100 * d['comm_wait_share']['inter']:.0f}% of the step; first "
+                        f"recommendation: {d['first']} ({d['changes'][:3]})"
+                    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cluster.json").write_text(json.dumps({"args": vars(args), "rates": results}, indent=2))

@@ -19,13 +19,14 @@ from hf_zero.doctor.diagnosis import Diagnosis
 ASSUMED = {
     "copy_gbytes_per_s": 10.0,
     "recompute_share": 1 / 3,
-    "quantize_gbytes_per_s": 2.0,
+    "quantize_gbytes_per_s": 0.15,
     "stage3_compute_share": 0.25,
 }
 """Figures a prediction needs that one profile does not measure: host-device copy bandwidth
 (GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
-forward + backward), quantization throughput (GB/s of input) for ZeRO++ without a measured
-``quantize`` phase, and what gathering and releasing each unit adds to stage 3's compute (0.25:
+forward + backward), what ZeRO++'s quantization and extra host work cost per byte it
+quantizes (0.15 GB/s: measured on the 2-node CPU cluster benchmark, where ZeRO++ added about
+0.2 s per step besides its link wait; a GPU quantizes far faster), and what gathering and releasing each unit adds to stage 3's compute (0.25:
 measured on 2 CPU ranks by benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0)."""
 
 QUANT_BLOCK = 256
@@ -196,7 +197,8 @@ def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:
     nodes = budget.nodes or d.nodes
     sent = d.sent_bytes
     inter = sent.get("inter_node", 0)
-    if nodes < 2 or not inter or stage != 3:
+    on = d.config.get("quantized_weights") or d.config.get("quantized_gradients")
+    if nodes < 2 or not inter or stage != 3 or on:
         return
     b = _dtype_bytes(d)
     gather, reduce = sent.get("inter_node.all_gather", 0), sent.get("inter_node.reduce_scatter", 0)
@@ -205,14 +207,18 @@ def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:
     gather_new = gather / 2 * (1 + 4 / QUANT_BLOCK) / b
     reduce_new = reduce * (0.5 + 4 / QUANT_BLOCK) / 4  # qgZ: INT4 over the link (fp32 reduced)
     new = gather_new + reduce_new + max(0, rest)
+    # With the link's rate known, the measured wait is the link's time for a node's bytes (the
+    # node's ranks share it) plus what does not shrink with bytes (latency, host work); without
+    # it, the whole wait is taken to shrink with the bytes.
     wait = d.phases_s.get("comm_wait_inter", 0.0)
+    wait_new, wait_now = wait * new / inter, wait
     if budget.link_gbps:
-        wait_new = new * 8 / (budget.link_gbps * 1e9)
-        wait_now = inter * 8 / (budget.link_gbps * 1e9)
-    else:
-        wait_new, wait_now = wait * new / inter, wait
+        per_node = budget.gpus_per_node or d.ranks_per_node
+        link = per_node * 8 / (budget.link_gbps * 1e9)  # seconds per byte a rank sends
+        fixed = max(0.0, wait - inter * link)
+        wait_new = new * link + fixed
     quantized = (gather + reduce) / max(1, nodes)
-    quantize = d.phases_s.get("quantize") or quantized / (ASSUMED["quantize_gbytes_per_s"] * 1e9)
+    quantize = quantized / (ASSUMED["quantize_gbytes_per_s"] * 1e9)
     hpz = budget.gpus_per_node or d.ranks_per_node
     params = now.get("params", 0)
     objects = dict(now, secondary_params=int(params * (1 + 4 / QUANT_BLOCK) / b / hpz))
