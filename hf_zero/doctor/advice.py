@@ -26,9 +26,11 @@ ASSUMED = {
 (GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
 forward + backward), what ZeRO++'s quantization and extra host work cost per byte it
 quantizes (0.15 GB/s: measured on the 2-node CPU cluster benchmark, where ZeRO++ added about
-0.2 s per step besides its link wait; a GPU quantizes far faster), and what gathering and releasing each unit adds to stage 3's compute (0.25:
-measured on 2 CPU ranks by benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0)."""
+0.2 s per step besides its link wait; a GPU quantizes far faster), and what gathering and
+releasing each unit adds to stage 3's compute (0.25: measured on 2 CPU ranks by
+benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0)."""
 
+ONE_POOL = "on a CPU-only machine host and device are the same memory: the peak stays"
 QUANT_BLOCK = 256
 """Elements per scale of hf_zero's INT8 and INT4 blocks (one fp32 scale each)."""
 
@@ -59,6 +61,10 @@ class Change:
     notes: list[str] = field(default_factory=list)
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 def _scaled(objects: dict[str, int], **factors: float) -> dict[str, int]:
     return {k: int(v * factors.get(k, 1.0)) for k, v in objects.items()}
 
@@ -86,21 +92,23 @@ def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
     g, p = now.get("grads", 0), now.get("params", 0)
     if stage < 1 and m + o:
         objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n)
+        removes = f"{_mib((m + o) * (1 - 1 / n))} of master weights and optimizer state"
         add("stage 1", "shard the optimizer state (ZeRO-1)", ["--zero_stage", "1"], objects,
-            d.step_s, f"{(m + o) * (1 - 1 / n) / 2**20:.1f} MiB of master weights and optimizer state")  # fmt: skip
+            d.step_s, removes)  # fmt: skip
     if stage < 2 and m + o + g:
         objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
-        add("stage 2", "shard gradients too (ZeRO-2)", ["--zero_stage", "2"], objects, d.step_s,
-            f"{(m + o + g) * (1 - 1 / n) / 2**20:.1f} MiB of gradients and optimizer state")  # fmt: skip
+        removes = f"{_mib((m + o + g) * (1 - 1 / n))} of gradients and optimizer state"
+        add("stage 2", "shard gradients too (ZeRO-2)", ["--zero_stage", "2"], objects,
+            d.step_s, removes)  # fmt: skip
     if stage < 3 and p:
         working = 2 * p / units  # two units gathered at once (the current one, the prefetched)
         objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
         objects["params"] = int(p / n + working)
         compute = d.phases_s.get("compute", 0.0)
         step = d.step_s + 0.5 * comm + ASSUMED["stage3_compute_share"] * compute
+        note = "~1.5x the communication of stage 2, plus gathering and releasing each unit"
         add("stage 3", "shard the parameters too (ZeRO-3)", ["--zero_stage", "3"], objects,
-            step, f"{(p - objects['params']) / 2**20:.1f} MiB of parameters",
-            ["~1.5x the communication of stage 2, plus gathering and releasing each unit"])  # fmt: skip
+            step, f"{_mib(p - objects['params'])} of parameters", [note])  # fmt: skip
     _offload(d, now, stage, add)
     _frozen_base(d, now, stage, n, add)
     _activations(d, now, units, add)
@@ -121,7 +129,7 @@ def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
         add("offload_optimizer", "fp32 master weights and Adam state to CPU memory (ZeRO-Offload)",
             ["--zero_offload_optimizer", "cpu"], objects, d.step_s + copy,
             f"{moved / 2**20:.1f} MiB from the device to host memory",
-            ["on a CPU-only machine host and device are the same memory: the peak stays"])  # fmt: skip
+            [ONE_POOL])  # fmt: skip
 
 
 def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
@@ -174,7 +182,7 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
         add("micro-batch", "halve the micro-batch, double accumulation (same effective batch)",
             ["--per_device_train_batch_size", str(micro // 2),
              "--gradient_accumulation_steps", str(gas * 2)],
-            _less_activations(now, a / 2), d.step_s + extra, f"{a / 2 / 2**20:.1f} MiB of activations")  # fmt: skip
+            _less_activations(now, a / 2), d.step_s + extra, f"{_mib(a / 2)} of activations")  # fmt: skip
 
 
 def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
@@ -222,12 +230,14 @@ def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:
     hpz = budget.gpus_per_node or d.ranks_per_node
     params = now.get("params", 0)
     objects = dict(now, secondary_params=int(params * (1 + 4 / QUANT_BLOCK) / b / hpz))
-    add("zero++", "quantized weight gather, intra-node secondary partition, quantized gradients (ZeRO++)",
+    what = "quantized weight gather, intra-node secondary partition, quantized gradients (ZeRO++)"
+    wait_note = f"inter-node wait {wait_now * 1000:.0f} -> {wait_new * 1000:.0f} ms per step"
+    add("zero++", what,
         ["--zero_quantized_weights", "true", "--zero_hpz_partition_size", str(hpz),
          "--zero_quantized_gradients", "true"], objects,
         d.step_s - wait + wait_new + quantize,
         f"{(inter - new) / 2**20:.1f} of {inter / 2**20:.1f} MiB per step off the inter-node link",
-        [f"inter-node wait {wait_now * 1000:.0f} -> {wait_new * 1000:.0f} ms per step"])  # fmt: skip
+        [wait_note])  # fmt: skip
 
 
 def format_changes(d: Diagnosis, changes: list[Change], budget: Budget | None = None) -> str:
