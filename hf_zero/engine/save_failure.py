@@ -24,8 +24,8 @@ def agree_on_failure(
 ) -> None:
     """Collective: every rank learns whether any rank failed to write its part (``failure``;
     ``nbytes``: what this rank's part needs). If one did, rank 0 removes ``partial`` (a staging
-    folder or a ``.partial`` file, never anything published) and every
-    rank raises `save_failed_error`. Also a barrier: a rank that died never gets past here."""
+    folder or a ``.partial`` file, never anything published) and every rank raises
+    `save_failed_error`. Also a barrier: a rank that died never gets past here."""
     row = torch.tensor(
         [failure is not None, getattr(failure, "errno", None) or 0, nbytes],
         dtype=torch.int64, device=current_device(),
