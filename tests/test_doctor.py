@@ -22,7 +22,8 @@ import pytest
 
 from hf_zero.doctor.advice import Budget, recommend
 from hf_zero.doctor.command import parse_size
-from hf_zero.doctor.diagnosis import Diagnosis, _pooled, diagnose, load_profiles
+from hf_zero.doctor.diagnosis import Diagnosis, diagnose, load_profiles
+from hf_zero.profiling.process_memory import pooled
 from hf_zero.testing import profiled_training, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,4 +135,4 @@ def test_doctor_profiles_an_unmodified_trainer_launch(tmp_path):
         for step in p["steps"]:
             peak = max(s["measured"]["total"] for s in step["timeline"])
             assert abs(peak / step["os_peak"]["total"] - 1) < 0.05
-            assert all(_pooled(s["objects"], "cpu") for s in step["timeline"])
+            assert all(pooled(s["objects"], "cpu") for s in step["timeline"])

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_zero.profiling.process_memory import pooled
+
 KIND_NAMES = {
     "params": "parameters",
     "grads": "gradients",
@@ -97,14 +99,12 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
     # objects held are largest (what put the process there), not a later one holding a cache.
     plateau = [s for s in samples if s[2]["measured"]["total"] >= 0.99 * top]
     profile, step, sample = max(
-        plateau, key=lambda s: sum(_pooled(s[2]["objects"], s[0]["device"]).values())
+        plateau, key=lambda s: sum(pooled(s[2]["objects"], s[0]["device"]).values())
     )
-    makeup = dict(sample["objects"])
-    pooled = _pooled(makeup, profile["device"])
+    makeup = pooled(sample["objects"], profile["device"])
     runtime = step["runtime_bytes"]
-    makeup = {k: v for k, v in makeup.items() if k in pooled}
-    makeup["runtime"] = runtime
-    makeup["other"] = sample["measured"]["total"] - runtime - sum(pooled.values())
+    other = sample["measured"]["total"] - runtime - sum(makeup.values())
+    makeup.update(runtime=runtime, other=other)
     steps = profile["steps"]
     walls = [s["wall_s"] for s in steps]
     median = steps[walls.index(statistics.median_low(walls))]
@@ -130,14 +130,6 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
         micro_batches=median.get("micro_batches") or 1,
         timeline=median["timeline"],
     )
-
-
-def _pooled(objects: dict[str, int], device: str) -> dict[str, int]:
-    """The objects in the memory the measured total covers (CPU: all but swap files; GPU: the
-    device's)."""
-    if device == "cpu":
-        return {k: v for k, v in objects.items() if not k.startswith("nvme_")}
-    return {k: v for k, v in objects.items() if not k.startswith(("host_", "nvme_"))}
 
 
 def _mib(n: float) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_zero.doctor.diagnosis import KIND_NAMES, Diagnosis, _pooled
+from hf_zero.doctor.diagnosis import KIND_NAMES, Diagnosis
+from hf_zero.profiling.process_memory import pooled
 
 
 def plot(d: Diagnosis, path: str | Path) -> Path:
@@ -16,11 +17,11 @@ def plot(d: Diagnosis, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     times = [s["t"] * 1000 for s in d.timeline]
-    kinds = sorted({k for s in d.timeline for k in _pooled(s["objects"], d.device)})
+    held = [pooled(s["objects"], d.device) for s in d.timeline]
     runtime = d.makeup.get("runtime", 0)
     layers = {"runtime": [runtime / 2**20] * len(times)}
-    for kind in kinds:
-        layers[kind] = [_pooled(s["objects"], d.device).get(kind, 0) / 2**20 for s in d.timeline]
+    for kind in sorted({k for h in held for k in h}):
+        layers[kind] = [h.get(kind, 0) / 2**20 for h in held]
     known = [sum(layer[i] for layer in layers.values()) for i in range(len(times))]
     layers["other"] = [
         max(0.0, s["measured"]["total"] / 2**20 - k) for s, k in zip(d.timeline, known)

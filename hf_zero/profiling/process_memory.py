@@ -24,6 +24,14 @@ def _status(field: str) -> int:
     return 0
 
 
+def pooled(objects: dict[str, int], device_type: str) -> dict[str, int]:
+    """The objects held in the memory `measured_bytes` covers: on CPU every one but swap files
+    (host and device are the same memory); on a GPU the device's (not ``host_*``)."""
+    if device_type == "cpu":
+        return {k: v for k, v in objects.items() if not k.startswith("nvme_")}
+    return {k: v for k, v in objects.items() if not k.startswith(("host_", "nvme_"))}
+
+
 def measured_bytes(device: torch.device, peak: bool = False) -> dict[str, int]:
     """``total``: the bytes the profile's objects are compared with (on CPU the resident set,
     on a GPU the caching allocator's allocated bytes); ``rss`` always; on a GPU also

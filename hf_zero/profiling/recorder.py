@@ -38,7 +38,7 @@ import torch
 
 from hf_zero.observe import clock
 from hf_zero.profiling.activations import SavedTensorMeter
-from hf_zero.profiling.process_memory import PeakWatch, measured_bytes, reset_peak
+from hf_zero.profiling.process_memory import PeakWatch, measured_bytes, pooled, reset_peak
 from hf_zero.sharding.stage3.units import find_units, true_numel
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 ENV_DIR = "HF_ZERO_PROFILE_DIR"
 ENV_STEPS = "HF_ZERO_PROFILE_STEPS"
 ENV_EXIT = "HF_ZERO_PROFILE_EXIT"
-HOST_PREFIX = "host_"
 TOTALS = ("total", "host_total", "nvme_total")
 PROFILED_SETTINGS = (
     "stage", "precision", "offload_optimizer", "offload_param", "quantized_weights",
@@ -91,9 +90,10 @@ class Profiler:
         self._last_end = None
         # The process before any step (interpreter, libraries, what building the engine kept):
         # measured now, when the model states are the only objects.
-        report = engine.memory_report()
-        objects = {k: v for k, v in report.items() if v and k not in TOTALS}
-        self.runtime = measured_bytes(self.device)["total"] - _pool_total(objects, self.device)
+        objects = self._held()
+        self.runtime = measured_bytes(self.device)["total"] - sum(
+            pooled(objects, self.device.type).values()
+        )
         self._handles = [engine.module.register_forward_pre_hook(self._root_pre, with_kwargs=True)]
         self._handles.append(engine.module.register_forward_hook(self._root_post))
         for name, module in find_units(engine.module)[1:]:
@@ -154,12 +154,16 @@ class Profiler:
         return hook
 
     # --- samples ---------------------------------------------------------------------------
+    def _held(self) -> dict[str, int]:
+        """`memory_report()`'s kinds that hold bytes now, without its totals."""
+        report = self.engine.memory_report()
+        return {k: v for k, v in report.items() if v and k not in TOTALS}
+
     def sample(self, event: str) -> None:
         """A memory sample at this moment (also a listener of the phase clock's marks)."""
         if self.current is None:
             return
-        report = self.engine.memory_report()
-        objects = {k: v for k, v in report.items() if v and k not in TOTALS}
+        objects = self._held()
         objects["activations"] = self.meter.bytes
         measured = measured_bytes(self.device)
         self.current["timeline"].append(
@@ -306,14 +310,6 @@ def _log_metrics(records: list[dict]) -> dict[str, float]:
     for kind, nbytes in peak["objects"].items():
         out[f"profile/peak_MiB_{kind}"] = nbytes / 2**20
     return {k: round(v, 4) for k, v in out.items()}
-
-
-def _pool_total(objects: dict[str, int], device: torch.device) -> int:
-    """Bytes of the objects in the pool the measured total covers (on CPU, every object is in
-    the process's memory; on a GPU, the device ones)."""
-    if device.type == "cpu":
-        return sum(v for k, v in objects.items() if not k.startswith("nvme_"))
-    return sum(v for k, v in objects.items() if not k.startswith((HOST_PREFIX, "nvme_")))
 
 
 def _diff(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
