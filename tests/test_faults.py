@@ -338,3 +338,31 @@ def test_a_live_runs_empty_folder_is_left_for_its_ranks(tmp_path):
     gone.mkdir()
     remove_stale(tmp_path)
     assert live.exists() and not gone.exists()
+
+
+_EXIT_PROBE = """
+import atexit, sys, threading
+import torch.distributed as dist
+# Registered before hf_zero's handler, so it runs after it: what the interpreter is left with.
+atexit.register(lambda: print("at exit:", dist.is_initialized(),
+                              [t.name for t in threading.enumerate() if t.name.startswith("hf_zero")]))
+from hf_zero.comm.topology import init_distributed
+from hf_zero.comm.watchdog import StallWatchdog
+init_distributed()
+StallWatchdog.start(300, 0, 1, lambda: 0)
+if sys.argv[1] == "fail":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["normal", "fail"])
+def test_the_groups_are_destroyed_at_a_normal_exit_and_left_after_a_crash(ending):
+    """A script that never calls destroy_process_group() can abort at exit (gloo's threads drop
+    tensors while Python finalises); hf_zero destroys the groups first, except after an
+    uncaught exception, when a peer may still wait in a collective."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_PROBE, ending], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == (0 if ending == "normal" else 1), done.stderr
+    expected = "at exit: False []" if ending == "normal" else "at exit: True []"
+    assert expected in done.stdout, done.stdout + done.stderr

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hf_zero.comm.teardown import destroy_groups_at_exit
+
 
 @dataclass(frozen=True)
 class Group:
@@ -221,8 +223,10 @@ def init_distributed(backend: str | None = None, timeout: float | None = None) -
     Under torchrun/accelerate the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` variables are
     set. A plain ``python script.py`` gets a one-rank group, so the same code runs unlaunched.
     ``timeout``: seconds a collective may wait for the other ranks before it fails (torch's
-    default, 30 minutes, when None). Nothing happens if the group exists already.
+    default, 30 minutes, when None). If the group exists already (the launcher's or Accelerate's),
+    it is kept. Either way the groups are destroyed at a normal exit (`teardown`).
     """
+    destroy_groups_at_exit()
     if dist.is_initialized():
         return
     if backend is None:

@@ -65,8 +65,11 @@ class StallWatchdog:
             _instance = cls(seconds, rank, world, step_of)
         return _instance
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop looking; wait up to ``wait`` seconds for the thread to end."""
         self._stop.set()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join(wait)
 
     def _run(self) -> None:
         state = [None, time.monotonic(), False]  # waiting point, since when, reported
@@ -116,6 +119,14 @@ class StallWatchdog:
         if self._store is not None:
             with contextlib.suppress(Exception):
                 self._store.delete_key(KEY.format(rank=self.rank))
+
+
+def stop_watchdog() -> None:
+    """Stop the process's watchdog, if any, and let its thread end (used at exit)."""
+    global _instance
+    if _instance is not None:
+        _instance.stop(wait=2.0)
+        _instance = None
 
 
 def _waits_here(frame) -> bool:
