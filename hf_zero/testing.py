@@ -155,23 +155,39 @@ DOCTOR_MODEL = {
 
 
 def profiled_training(
-    folder: str, stage: int, micro: int, gas: int, checkpointing: bool, steps: int
+    folder: str,
+    stage: int,
+    micro: int,
+    gas: int,
+    checkpointing: bool,
+    steps: int,
+    lora: bool = False,
+    **settings: Any,
 ) -> None:
-    """One rank (under `run_distributed`): train `DOCTOR_MODEL` with ``profile: true`` for a
-    warm-up step and ``steps`` recorded ones, writing the profile to ``folder``."""
+    """One rank (under `run_distributed`): train `DOCTOR_MODEL` (with LoRA adapters on every
+    linear layer of its blocks and the rest frozen, if ``lora``) with ``profile: true`` for a
+    warm-up step and ``steps`` recorded ones, writing the profile to ``folder``; ``settings``
+    are more engine settings (``offload_optimizer``, ``tp_size``, ...)."""
     import hf_zero
     from hf_zero.tiny import tiny_llama, token_batches
 
     model = tiny_llama(0, **DOCTOR_MODEL)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     if checkpointing:
         model.gradient_checkpointing_enable()
+    trainable = [p for p in model.parameters() if p.requires_grad]
     engine = hf_zero.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage, profile=True,
+        model, torch.optim.AdamW(trainable, lr=1e-3), stage=stage, profile=True,
         profile_steps=steps, profile_dir=folder, gradient_accumulation_steps=gas,
-        train_micro_batch_size_per_gpu=micro,
+        train_micro_batch_size_per_gpu=micro, **settings,
     )  # fmt: skip
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    batches = token_batches(128, micro, rank, world, seed=0)
+    # Tensor-parallel ranks share their data-parallel replica's batches.
+    topology = engine.topology
+    batches = token_batches(128, micro, topology.dp_rank, topology.dp_size, seed=0)
     for _ in range((steps + 1) * gas):
         x = next(batches)
         engine.backward(engine(input_ids=x, labels=x).loss)

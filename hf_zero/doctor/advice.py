@@ -136,14 +136,16 @@ def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
     total, trainable = d.model.get("parameters") or 0, d.model.get("trainable") or 0
     if not total or trainable >= total or d.config.get("quantized_nontrainable_weights"):
         return
-    p = now.get("params", 0)
-    frozen_share = (total - trainable) / total
-    frozen = p * frozen_share
-    kept = (total - trainable) * (1 + 4 / QUANT_BLOCK) / (n if stage == 3 else 1)
-    objects = dict(now, params=int(p - frozen + min(frozen, kept)))
+    p, size = now.get("params", 0), _dtype_bytes(d)
+    units = max(1, d.model.get("units") or 1)
+    # The frozen base becomes INT8 shards; the units gathered for compute stay dequantized
+    # (at stage 3 what "params" holds beyond the shards; else two units, as stage 3 gathers).
+    working = max(0.0, p - total * size / n) if stage == 3 else 2 * p / units
+    kept = (total - trainable) * (1 + 4 / QUANT_BLOCK) / n
+    objects = dict(now, params=int(trainable * size / n + working + kept))
     add("mixz", "keep the frozen base as INT8 shards (MixZ++)",
         ["--zero_stage", "3", "--zero_quantized_nontrainable_weights", "true"], objects,
-        d.step_s, f"{max(0.0, frozen - kept) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
+        d.step_s, f"{max(0.0, p - objects['params']) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
 
 
 def _less_activations(now: dict, saved: float) -> dict:
