@@ -192,13 +192,8 @@ def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
     if per_node < 2 or (d.config.get("tp_size") or 1) > 1:
         return
     k = 2
-    states = ("params", "grads", "master_weights", "optimizer_states")
-    split = (*states, "activations")
-    # Activations as for a smaller micro-batch: a peak sampled after backward holds them as
-    # "other" (freed, still the process's), which shrinks with them.
-    objects = _less_activations(
-        _scaled(now, **dict.fromkeys(states, 1 / k)), d.activations_peak * (1 - 1 / k)
-    )
+    split = ("params", "grads", "master_weights", "optimizer_states", "activations")
+    objects = _scaled(now, **dict.fromkeys(split, 1 / k))
     # k ranks now share each micro-batch: k times the accumulation keeps the effective batch,
     # and each rank computes 1/k of every matrix product for k times the micro-batches.
     add("tp", f"split each layer's matrices over {k} ranks (AutoTP)",
