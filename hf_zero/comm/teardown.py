@@ -20,6 +20,8 @@ import threading
 
 import torch.distributed as dist
 
+from hf_zero.comm.watchdog import stop_watchdog
+
 DESTROY_WAIT_S = 10.0
 """How long the exit waits for the groups to close (only a peer stuck in a collective delays it)."""
 
@@ -45,8 +47,6 @@ def destroy_groups_at_exit() -> None:
 
 
 def _tear_down() -> None:
-    from hf_zero.comm.watchdog import stop_watchdog
-
     stop_watchdog()
     if _uncaught or not dist.is_available() or not dist.is_initialized():
         return
