@@ -5,6 +5,8 @@ communication volume, divergent control flow, and user access to whole parameter
 Tolerances as in test_parity.py: fp32 1e-6 relative (summation order only), bf16 1e-2.
 """
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,6 +155,29 @@ def _memory_and_comm(checkpointing: bool) -> dict:
         "step_bytes": sum(s["step"].numel() * s["step"].element_size() for s in state.values()),
         "N": dist.get_world_size(),
     }
+
+
+def _profiled_views(folder: str) -> dict:
+    model = build_model()
+    engine = hf_zero.initialize(
+        model, torch.optim.AdamW(model.parameters()), stage=3, profile=True, profile_steps=1,
+        profile_dir=folder, **ZERO3,
+    )  # fmt: skip
+    for step in range(2):  # the warm-up step, then the recorded one
+        x = batch(dist.get_rank(), step, 0)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    return {"rebuilt": engine.coordinator.saved.rebuilt}
+
+
+def test_profiling_leaves_the_saved_weight_views_to_stage_3(tmp_path):
+    """Saved-tensor hooks do not nest in torch: the profiler's activation meter hands each saved
+    tensor on to stage 3's hooks, so a profiled forward still saves weight views by place (and
+    holds no unit's gathered buffer until its backward)."""
+    for r in run_distributed(_profiled_views, 2, args=(str(tmp_path),)):
+        assert r["rebuilt"] >= 2 * (7 * 2 + 1), r["rebuilt"]  # both steps, as unprofiled
+    step = json.loads((tmp_path / "profile_rank0.json").read_text())["steps"][0]
+    assert step["activation_peak"] > 0  # and the meter still counted the activations
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])

@@ -21,6 +21,7 @@ ASSUMED = {
     "recompute_share": 1 / 3,
     "quantize_gbytes_per_s": 0.15,
     "stage3_compute_share": 0.25,
+    "fresh_pages_share": 0.35,
 }
 """Figures a prediction needs that one profile does not measure: host-device copy bandwidth
 (GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
@@ -28,9 +29,18 @@ forward + backward), what ZeRO++'s quantization and extra host work cost per byt
 quantizes (0.15 GB/s: measured on the 2-node CPU cluster benchmark, where ZeRO++ added about
 0.2 s per step besides its link wait; a GPU quantizes far faster), and what gathering and
 releasing each unit adds to stage 3's compute (0.25: measured on 2 CPU ranks by
-benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0)."""
+benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0), and what a fixed mmap threshold
+adds to a CPU run's compute (0.35: every large tensor then gets fresh zeroed pages from the OS;
+measured on 2 CPU ranks of the doctor's test model, 3.07 -> 4.19 s per step)."""
 
-ONE_POOL = "on a CPU-only machine host and device are the same memory: the peak stays"
+MMAP_THRESHOLD = 128 * 1024
+"""Bytes above which glibc's malloc maps each allocation on its own and unmaps it on free when
+the threshold is fixed (by setting it): freed tensors then leave the resident set."""
+
+ONE_POOL = (
+    "on a CPU-only machine host and device are the same memory: the peak stays (in fp32 it "
+    "grows by the host's master copy of the shard)"
+)
 QUANT_BLOCK = 256
 """Elements per scale of hf_zero's INT8 and INT4 blocks (one fp32 scale each)."""
 
@@ -59,6 +69,8 @@ class Change:
     removes: str
     fits: bool = True
     notes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables to set for the launch (every rank), besides ``flags``."""
 
 
 def _mib(nbytes: float) -> str:
@@ -74,19 +86,39 @@ def _dtype_bytes(d: Diagnosis) -> int:
 
 
 def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
-    """The changes that apply to this run, fitting ones first, each group fastest first."""
+    """The changes that apply to this run, fitting ones first, each group fastest first.
+
+    Each change's predicted peak is the highest of its predictions at every sampled moment of
+    the step: a change can move the peak (activation checkpointing leaves the optimizer step's
+    temporaries on top)."""
     budget = budget or Budget()
+    changes = _changes_at(d, d.makeup, budget)
+    highest: dict[str, int] = {}
+    for moment in d.moments:
+        for c in _changes_at(d, moment, budget):
+            highest[c.kind] = max(highest.get(c.kind, 0), c.peak_bytes)
+    for c in changes:
+        c.peak_bytes = max(c.peak_bytes, highest.get(c.kind, 0))
+        c.fits = budget.device_memory is None or c.peak_bytes <= budget.device_memory
+    changes.sort(key=lambda c: (not c.fits, c.step_s))
+    return changes
+
+
+def _changes_at(d: Diagnosis, now: dict[str, int], budget: Budget) -> list[Change]:
+    """The changes, with the peak each would have at the moment whose make-up is ``now``."""
     n = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
     stage = d.config.get("stage") or 0
     units = max(1, d.model.get("units") or 1)
-    now = dict(d.makeup)
+    now = dict(now)
     changes: list[Change] = []
     comm = d.phases_s.get("comm_wait_intra", 0.0) + d.phases_s.get("comm_wait_inter", 0.0)
 
-    def add(kind, what, flags, objects, step_s, removes, notes=()):
+    def add(kind, what, flags, objects, step_s, removes, notes=(), env=None):
         peak = sum(objects.values())
         fits = budget.device_memory is None or peak <= budget.device_memory
-        changes.append(Change(kind, what, flags, peak, step_s, removes, fits, list(notes)))
+        changes.append(
+            Change(kind, what, flags, peak, step_s, removes, fits, list(notes), dict(env or {}))
+        )
 
     m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
     g, p = now.get("grads", 0), now.get("params", 0)
@@ -114,17 +146,37 @@ def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
     _activations(d, now, units, add)
     _tensor_parallel(d, now, budget, add)
     _zeropp(d, now, stage, budget, add)
-    changes.sort(key=lambda c: (not c.fits, c.step_s))
+    _allocator(d, now, add)
     return changes
+
+
+def _allocator(d: Diagnosis, now: dict, add) -> None:
+    """On CPU, glibc keeps freed memory for reuse (the activations of the last backward, most
+    of all); with a fixed mmap threshold each large tensor is given back to the OS when freed."""
+    cache = d.makeup.get("allocator_cache", 0)
+    if d.device != "cpu" or cache < 0.05 * d.peak_bytes:
+        return
+    compute = d.phases_s.get("compute", 0.0)
+    add("allocator", "give freed tensors back to the OS (glibc's malloc: fixed mmap threshold)",
+        [], dict(now, allocator_cache=0), d.step_s + ASSUMED["fresh_pages_share"] * compute,
+        f"{_mib(cache)} of freed memory malloc keeps",
+        ["set for every rank's environment (e.g. before `accelerate launch`)"],
+        env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})  # fmt: skip
 
 
 def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
     one_pool = d.device == "cpu"
-    moved = now.get("master_weights", 0) + now.get("optimizer_states", 0)
+    m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
+    moved = m + o
     if stage >= 1 and moved and d.config.get("offload_optimizer") in (None, "none"):
-        objects = dict(now)
+        n = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
+        # The host keeps an fp32 master of the rank's shard even in fp32 training, where the
+        # device's own parameters were the master before.
+        master = m or int(d.model.get("trainable", 0) * 4 / n)
+        objects = dict(now, master_weights=0, optimizer_states=0)
+        objects.update(host_master_weights=master, host_optimizer_states=o)
         if not one_pool:
-            objects.update(master_weights=0, optimizer_states=0)
+            objects = {k: v for k, v in objects.items() if not k.startswith("host_")}
         copy = 2 * moved / 3 / (ASSUMED["copy_gbytes_per_s"] * 1e9)
         add("offload_optimizer", "fp32 master weights and Adam state to CPU memory (ZeRO-Offload)",
             ["--zero_offload_optimizer", "cpu"], objects, d.step_s + copy,
@@ -148,17 +200,16 @@ def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
         d.step_s, f"{max(0.0, p - objects['params']) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
 
 
-def _less_activations(now: dict, saved: float) -> dict:
-    """The objects with ``saved`` bytes fewer of activations: from those held at the peak, the
-    rest from "other" (memory the allocator kept from freed activations: the peak of a step
-    that peaks after backward still sits on the activations' high-water mark)."""
+def _less_activations(now: dict, share: float, peak: int) -> dict:
+    """The objects with activations ``share`` smaller: those held at this moment, and the
+    freed ones the allocator still keeps (``allocator_cache``, up to the step's activation
+    ``peak`` less those held: a moment after backward sits on the activations' high-water
+    mark)."""
     held = now.get("activations", 0)
-    from_held = min(held, saved)
-    other = now.get("other", 0)
+    cache = now.get("allocator_cache", 0)
+    freed = min(max(cache, 0), max(0, peak - held))
     return dict(
-        now,
-        activations=int(held - from_held),
-        other=int(other - min(max(other, 0), saved - from_held)),
+        now, activations=int(held * (1 - share)), allocator_cache=int(cache - freed * share)
     )
 
 
@@ -174,7 +225,7 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
     if hidden and kept < a:
         compute = d.phases_s.get("compute", 0.0)
         add("checkpointing", "recompute activations in backward (activation checkpointing)",
-            ["--gradient_checkpointing", "true"], _less_activations(now, a - kept),
+            ["--gradient_checkpointing", "true"], _less_activations(now, 1 - kept / a, a),
             d.step_s + ASSUMED["recompute_share"] * compute,
             f"{(a - kept) / 2**20:.1f} MiB of activations")  # fmt: skip
     micro, gas = d.micro_batch or 0, d.micro_batches
@@ -184,7 +235,7 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
         add("micro-batch", "halve the micro-batch, double accumulation (same effective batch)",
             ["--per_device_train_batch_size", str(micro // 2),
              "--gradient_accumulation_steps", str(gas * 2)],
-            _less_activations(now, a / 2), d.step_s + extra, f"{_mib(a / 2)} of activations")  # fmt: skip
+            _less_activations(now, 0.5, a), d.step_s + extra, f"{_mib(a / 2)} of activations")  # fmt: skip
 
 
 def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
@@ -256,7 +307,7 @@ def format_changes(d: Diagnosis, changes: list[Change], budget: Budget | None = 
         lines.append(
             f"| {i} | {c.what} | {c.peak_bytes / 2**20:,.1f} MiB | {'yes' if c.fits else 'no'} "
             f"| {c.step_s * 1000:.1f} ms ({c.step_s / d.step_s:.2f}x) | {c.removes} "
-            f"| `{' '.join(c.flags)}` |"
+            f"| `{' '.join([*(f'{k}={v}' for k, v in c.env.items()), *c.flags])}` |"
         )
     if not changes:
         lines.append("| - | nothing to change: no mechanism applies to this run | | | | | |")

@@ -24,6 +24,7 @@ KIND_NAMES = {
     "host_grads": "gradients (host)",
     "host_master_weights": "fp32 master weights (host)",
     "host_optimizer_states": "optimizer state (host)",
+    "allocator_cache": "allocator cache (freed memory malloc keeps)",
     "runtime": "runtime (process before the step)",
     "other": "other (temporaries, buffers in flight, allocator)",
 }
@@ -69,6 +70,10 @@ class Diagnosis:
     micro_batches: int = 1
     """Forwards per optimizer step (gradient accumulation)."""
     timeline: list[dict] = field(default_factory=list)
+    """The median step's samples, each with its ``makeup``."""
+    moments: list[dict[str, int]] = field(default_factory=list)
+    """The make-up at every sampled moment of the peak rank's recorded steps (the peak's among
+    them): a change can move the peak to another moment, so predictions take their highest."""
 
     @property
     def comm_wait_share(self) -> dict[str, float]:
@@ -82,7 +87,7 @@ class Diagnosis:
         return max(1, self.world_size // max(1, self.ranks_per_node))
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "timeline"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "moments")}
         out["comm_wait_share"] = self.comm_wait_share
         return out
 
@@ -101,10 +106,6 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
     profile, step, sample = max(
         plateau, key=lambda s: sum(pooled(s[2]["objects"], s[0]["device"]).values())
     )
-    makeup = pooled(sample["objects"], profile["device"])
-    runtime = step["runtime_bytes"]
-    other = sample["measured"]["total"] - runtime - sum(makeup.values())
-    makeup.update(runtime=runtime, other=other)
     steps = profile["steps"]
     walls = [s["wall_s"] for s in steps]
     median = steps[walls.index(statistics.median_low(walls))]
@@ -115,7 +116,7 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
         event=sample["event"],
         peak_bytes=sample["measured"]["total"],
         os_peak_bytes=step["os_peak"]["total"],
-        makeup=makeup,
+        makeup=_makeup(profile, step, sample),
         step_s=median["wall_s"],
         phases_s=median["phases_s"],
         tokens_per_s=tokens,
@@ -128,8 +129,22 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
         device=profile["device"],
         micro_batch=median.get("micro_batch"),
         micro_batches=median.get("micro_batches") or 1,
-        timeline=median["timeline"],
+        timeline=[{**sa, "makeup": _makeup(profile, median, sa)} for sa in median["timeline"]],
+        moments=[_makeup(profile, st, sa) for st in steps for sa in st["timeline"]],
     )
+
+
+def _makeup(profile: dict, step: dict, sample: dict) -> dict[str, int]:
+    """Bytes per object at ``sample``, with ``runtime``, ``allocator_cache`` (on CPU, where
+    glibc tells: the free bytes malloc keeps beyond those it kept before the first step) and
+    ``other``: they sum to the sample's measured total."""
+    makeup = pooled(sample["objects"], profile["device"])
+    runtime = step["runtime_bytes"]
+    free, before = sample["measured"].get("allocator_free"), step.get("runtime_allocator_free")
+    if profile["device"] == "cpu" and free is not None and before is not None:
+        makeup["allocator_cache"] = max(0, free - before)
+    other = sample["measured"]["total"] - runtime - sum(makeup.values())
+    return {**makeup, "runtime": runtime, "other": other}
 
 
 def _mib(n: float) -> str:

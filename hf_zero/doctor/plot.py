@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from hf_zero.doctor.diagnosis import KIND_NAMES, Diagnosis
-from hf_zero.profiling.process_memory import pooled
 
 
 def plot(d: Diagnosis, path: str | Path) -> Path:
@@ -17,15 +16,11 @@ def plot(d: Diagnosis, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     times = [s["t"] * 1000 for s in d.timeline]
-    held = [pooled(s["objects"], d.device) for s in d.timeline]
-    runtime = d.makeup.get("runtime", 0)
-    layers = {"runtime": [runtime / 2**20] * len(times)}
-    for kind in sorted({k for h in held for k in h}):
-        layers[kind] = [h.get(kind, 0) / 2**20 for h in held]
-    known = [sum(layer[i] for layer in layers.values()) for i in range(len(times))]
-    layers["other"] = [
-        max(0.0, s["measured"]["total"] / 2**20 - k) for s, k in zip(d.timeline, known)
-    ]
+    kinds = sorted({k for s in d.timeline for k in s["makeup"]} - {"runtime", "other"})
+    layers = {
+        kind: [max(0, s["makeup"].get(kind, 0)) / 2**20 for s in d.timeline]
+        for kind in ["runtime", *kinds, "other"]
+    }
     fig, (mem, bar) = plt.subplots(2, 1, figsize=(11, 7), height_ratios=[3, 1])
     mem.stackplot(times, *layers.values(), labels=[KIND_NAMES.get(k, k) for k in layers])
     mem.plot(times, [s["measured"]["total"] / 2**20 for s in d.timeline], "k.", ms=3,
@@ -36,7 +31,9 @@ def plot(d: Diagnosis, path: str | Path) -> Path:
     mem.set_xlabel("ms into the step")
     mem.set_ylabel("MiB")
     mem.set_title(f"Memory by object, rank {d.rank}, one step (peak at '{d.event}')")
-    mem.set_ylim(bottom=runtime / 2**20 * 0.9)  # the runtime is a floor: show what moves above it
+    mem.set_ylim(
+        bottom=d.makeup.get("runtime", 0) / 2**20 * 0.9
+    )  # the runtime is a floor: show what moves above it
     mem.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     left = 0.0
     for phase, seconds in sorted(d.phases_s.items(), key=lambda kv: -kv[1]):

@@ -4,24 +4,43 @@ Every tensor autograd saves during a recorded forward passes through a pack hook
 (``torch.autograd.graph.saved_tensors_hooks``). The meter counts each distinct storage once, for
 as long as any saved reference to it lives: autograd holds a small token per saved tensor, and
 the token's death (backward freed it, or the graph was dropped) releases its share. Parameters
-are not activations (their bytes are in `memory_report()`), so saved parameters are skipped.
+are not activations (their bytes are in `memory_report()`), so saved parameters and views of
+them (a linear layer saves its weight transposed) are skipped.
+
+Hooks do not nest in torch (only the innermost pair runs), so the meter hands every saved tensor
+on to the pair that was active when it entered (stage 3's saved weight views, a user's
+``save_on_cpu``): profiling must not change what a run holds. It counts a tensor only when that
+pair kept the tensor itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
+def _active_hooks() -> tuple[Callable, Callable] | None:
+    """The saved-tensor hooks in effect now (torch keeps them on a stack; no public getter)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 class _Saved:
-    """What autograd stores instead of the tensor: the tensor, and a release on death."""
+    """What autograd stores instead of the tensor: what the inner hooks packed, how to unpack
+    it, and (when counted) a release on death."""
 
-    __slots__ = ("key", "meter", "tensor")
+    __slots__ = ("key", "meter", "packed", "unpack")
 
-    def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter, key: int) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
+    def __init__(
+        self, packed: Any, unpack: Callable | None, meter: SavedTensorMeter, key: int | None
+    ):
+        self.packed, self.unpack, self.meter, self.key = packed, unpack, meter, key
 
     def __del__(self) -> None:
-        self.meter._release(self.key)
+        if self.key is not None:
+            self.meter._release(self.key)
 
 
 class SavedTensorMeter:
@@ -33,6 +52,7 @@ class SavedTensorMeter:
         self.bytes = 0
         self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._inner: tuple[Callable, Callable] | None = None
         self._entered = False
 
     @property
@@ -43,6 +63,7 @@ class SavedTensorMeter:
     def enter(self) -> None:
         """Count what the forward about to run saves (until `exit`)."""
         if not self._entered:
+            self._inner = _active_hooks()
             self._hooks.__enter__()
             self._entered = True
 
@@ -54,24 +75,29 @@ class SavedTensorMeter:
     def reset_peak(self) -> None:
         self.peak = self.bytes
 
-    def _pack(self, tensor: torch.Tensor):
-        if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
-            return tensor
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        pack, unpack = self._inner or (None, None)
+        packed = pack(tensor) if pack is not None else tensor
+        parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(
+            tensor._base, torch.nn.Parameter
+        )
+        if packed is not tensor or parameter or tensor.device.type == "meta":
+            return _Saved(packed, unpack, self, None)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key == 0:  # an empty storage holds nothing
-            return tensor
+            return _Saved(packed, unpack, self, None)
         if key not in self._refs:
             self._refs[key] = 0
             self._sizes[key] = storage.nbytes()
             self.bytes += self._sizes[key]
             self.peak = max(self.peak, self.bytes)
         self._refs[key] += 1
-        return _Saved(tensor, self, key)
+        return _Saved(packed, unpack, self, key)
 
     @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
+    def _unpack(saved: _Saved):
+        return saved.unpack(saved.packed) if saved.unpack is not None else saved.packed
 
     def _release(self, key: int) -> None:
         left = self._refs.get(key, 0) - 1

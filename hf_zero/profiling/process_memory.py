@@ -4,6 +4,7 @@ objects are reconciled with."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 
 import torch
@@ -24,6 +25,33 @@ def _status(field: str) -> int:
     return 0
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc older than 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def allocator_free_bytes() -> int | None:
+    """Bytes glibc's malloc holds free for reuse: freed memory the process keeps (in the
+    resident set, held by no tensor). None where ``mallinfo2`` is missing (not glibc, or
+    glibc < 2.33)."""
+    return None if _MALLINFO2 is None else int(_MALLINFO2().fordblks)
+
+
 def pooled(objects: dict[str, int], device_type: str) -> dict[str, int]:
     """The objects held in the memory `measured_bytes` covers: on CPU every one but swap files
     (host and device are the same memory); on a GPU the device's (not ``host_*``)."""
@@ -32,10 +60,14 @@ def pooled(objects: dict[str, int], device_type: str) -> dict[str, int]:
     return {k: v for k, v in objects.items() if not k.startswith(("host_", "nvme_"))}
 
 
-def measured_bytes(device: torch.device, peak: bool = False) -> dict[str, int]:
+def measured_bytes(
+    device: torch.device, peak: bool = False, allocator: bool = True
+) -> dict[str, int]:
     """``total``: the bytes the profile's objects are compared with (on CPU the resident set,
     on a GPU the caching allocator's allocated bytes); ``rss`` always; on a GPU also
-    ``reserved``. ``peak=True``: the highest values since `reset_peak` (VmHWM on CPU)."""
+    ``reserved``; on CPU also ``allocator_free`` (`allocator_free_bytes`, where glibc tells;
+    ``allocator=False`` skips it, which walks the allocator's free lists).
+    ``peak=True``: the highest values since `reset_peak` (VmHWM on CPU)."""
     if device.type == "cuda":
         stat = torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated
         reserved = torch.cuda.max_memory_reserved if peak else torch.cuda.memory_reserved
@@ -44,8 +76,12 @@ def measured_bytes(device: torch.device, peak: bool = False) -> dict[str, int]:
             "reserved": reserved(device),
             "rss": _status("VmHWM") if peak else _rss(),
         }
-    rss = _status("VmHWM") if peak else _rss()
-    return {"total": rss, "rss": rss}
+    if peak:
+        return {"total": _status("VmHWM"), "rss": _status("VmHWM")}
+    rss = _rss()
+    free = allocator_free_bytes() if allocator else None
+    out = {"total": rss, "rss": rss}
+    return out if free is None else {**out, "allocator_free": free}
 
 
 def reset_peak(device: torch.device) -> None:
@@ -58,7 +94,8 @@ def reset_peak(device: torch.device) -> None:
 
 class PeakWatch:
     """A daemon thread that reads the measured total every ``interval`` seconds and keeps the
-    highest value since `reset`, with the index of the profile sample taken last before it: so a
+    highest reading since `reset` (``high``: its total; ``measured``: all of it), with the
+    index of the profile sample taken last before it: so a
     peak between two phase boundaries (an optimizer's temporaries, a gradient in flight) is
     seen, and told with the objects of the boundary before it."""
 
@@ -66,13 +103,13 @@ class PeakWatch:
         import threading
 
         self.device, self.last_sample, self.interval = device, last_sample, interval
-        self.high, self.at = 0, None
+        self.high, self.at, self.measured = 0, None, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hf_zero_peak_watch", daemon=True)
         self._thread.start()
 
     def reset(self) -> None:
-        self.high, self.at = 0, None
+        self.high, self.at, self.measured = 0, None, {}
 
     def stop(self) -> None:
         self._stop.set()
@@ -82,6 +119,7 @@ class PeakWatch:
 
         while not self._stop.wait(self.interval):
             with contextlib.suppress(Exception):  # never let watching hurt the run
-                total = measured_bytes(self.device)["total"]
+                total = measured_bytes(self.device, allocator=False)["total"]
                 if total > self.high:
                     self.high, self.at = total, (time.perf_counter(), self.last_sample())
+                    self.measured = measured_bytes(self.device)

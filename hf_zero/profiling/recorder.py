@@ -10,8 +10,9 @@ For each, the profiler keeps:
   the **activations** autograd holds for backward (`SavedTensorMeter`), and what the OS (RSS)
   or the device allocator says is in use. The process's footprint before the first step, less
   the model states (interpreter, libraries, what the build kept) is **runtime**; what neither
-  explains is **other** (temporaries, buffers in flight, memory the allocator keeps after
-  freeing it; negative when activations reuse memory the allocator already held);
+  explains is the **allocator cache** where glibc tells (free bytes malloc keeps beyond those
+  it kept before the first step) and **other** (temporaries, buffers in flight; negative when
+  activations reuse memory the runtime's allocator already held);
 * **time by phase** (`hf_zero.observe.clock`): compute, waiting on collectives inside and
   across nodes, quantization, host-device copies, disk I/O, the optimizer; and the time between
   steps (data loading, logging);
@@ -90,10 +91,9 @@ class Profiler:
         self._last_end = None
         # The process before any step (interpreter, libraries, what building the engine kept):
         # measured now, when the model states are the only objects.
-        objects = self._held()
-        self.runtime = measured_bytes(self.device)["total"] - sum(
-            pooled(objects, self.device.type).values()
-        )
+        objects, measured = self._held(), measured_bytes(self.device)
+        self.runtime = measured["total"] - sum(pooled(objects, self.device.type).values())
+        self.runtime_allocator_free = measured.get("allocator_free")
         self._handles = [engine.module.register_forward_pre_hook(self._root_pre, with_kwargs=True)]
         self._handles.append(engine.module.register_forward_hook(self._root_post))
         for name, module in find_units(engine.module)[1:]:
@@ -220,7 +220,7 @@ class Profiler:
                 "t": when - self.current["start"],
                 "event": f"after '{before['event']}' (between boundaries)",
                 "objects": dict(before["objects"]),
-                "measured": {"total": watch.high, "rss": watch.high},
+                "measured": watch.measured,
             }
         )
         timeline.sort(key=lambda s: s["t"])
@@ -240,6 +240,7 @@ class Profiler:
             sent_bytes={k: max(0, comm[k] - cur["comm_before"][k]) for k in comm},
             os_peak=measured_bytes(self.device, peak=True),
             runtime_bytes=self.runtime,
+            runtime_allocator_free=self.runtime_allocator_free,
             activation_peak=self.meter.peak,
         )
         del cur["comm_before"], cur["start"]
