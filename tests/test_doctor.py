@@ -13,7 +13,6 @@
 * On a slow inter-node link the recommendation is ZeRO++ (from a profile's numbers alone).
 """
 
-import ctypes
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ from hf_zero.doctor.advice import MMAP_THRESHOLD, Budget, recommend
 from hf_zero.doctor.command import parse_size
 from hf_zero.doctor.diagnosis import Diagnosis, diagnose, load_profiles
 from hf_zero.profiling.process_memory import pooled
+from hf_zero.storage.host_memory import unmap_large_frees
 from hf_zero.testing import profiled_training, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def _freed_training(*args, **settings) -> None:
     """`profiled_training` with the allocator change applied. The test's ranks fork from a server
     that is already running, so they set the threshold with ``mallopt`` (``M_MMAP_THRESHOLD``),
     which is what ``MALLOC_MMAP_THRESHOLD_`` sets when a process starts."""
-    assert ctypes.CDLL(None).mallopt(-3, MMAP_THRESHOLD) == 1
+    assert unmap_large_frees(MMAP_THRESHOLD)
     profiled_training(*args, **settings)
 
 

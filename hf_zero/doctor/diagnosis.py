@@ -26,7 +26,7 @@ KIND_NAMES = {
     "host_optimizer_states": "optimizer state (host)",
     "allocator_cache": "allocator cache (freed memory malloc keeps)",
     "runtime": "runtime (process before the step)",
-    "other": "other (temporaries, buffers in flight, allocator)",
+    "other": "other (temporaries, buffers in flight)",
 }
 """How each object is called in the report."""
 
