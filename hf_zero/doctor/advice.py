@@ -100,6 +100,8 @@ def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
     for c in changes:
         c.peak_bytes = max(c.peak_bytes, highest.get(c.kind, 0))
         c.fits = budget.device_memory is None or c.peak_bytes <= budget.device_memory
+    # Giving freed memory back costs step time: worth it only where the cache is at the peak.
+    changes = [c for c in changes if c.kind != "allocator" or c.peak_bytes < 0.95 * d.peak_bytes]
     changes.sort(key=lambda c: (not c.fits, c.step_s))
     return changes
 
@@ -153,13 +155,13 @@ def _changes_at(d: Diagnosis, now: dict[str, int], budget: Budget) -> list[Chang
 def _allocator(d: Diagnosis, now: dict, add) -> None:
     """On CPU, glibc keeps freed memory for reuse (the activations of the last backward, most
     of all); with a fixed mmap threshold each large tensor is given back to the OS when freed."""
-    cache = d.makeup.get("allocator_cache", 0)
+    cache = max((m.get("allocator_cache", 0) for m in [d.makeup, *d.moments]), default=0)
     if d.device != "cpu" or cache < 0.05 * d.peak_bytes:
         return
     compute = d.phases_s.get("compute", 0.0)
     add("allocator", "give freed tensors back to the OS (glibc's malloc: fixed mmap threshold)",
         [], dict(now, allocator_cache=0), d.step_s + ASSUMED["fresh_pages_share"] * compute,
-        f"{_mib(cache)} of freed memory malloc keeps",
+        f"{_mib(d.makeup.get('allocator_cache', 0))} of freed memory malloc keeps at the peak",
         ["set for every rank's environment (e.g. before `accelerate launch`)"],
         env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})  # fmt: skip
 

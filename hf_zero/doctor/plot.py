@@ -31,9 +31,8 @@ def plot(d: Diagnosis, path: str | Path) -> Path:
     mem.set_xlabel("ms into the step")
     mem.set_ylabel("MiB")
     mem.set_title(f"Memory by object, rank {d.rank}, one step (peak at '{d.event}')")
-    mem.set_ylim(
-        bottom=d.makeup.get("runtime", 0) / 2**20 * 0.9
-    )  # the runtime is a floor: show what moves above it
+    floor = d.makeup.get("runtime", 0) / 2**20  # the runtime: show what moves above it
+    mem.set_ylim(bottom=floor * 0.9)
     mem.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     left = 0.0
     for phase, seconds in sorted(d.phases_s.items(), key=lambda kv: -kv[1]):
