@@ -8,6 +8,7 @@
 * Bad plans fail before anything is touched, naming the module, style or dimension.
 """
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,25 @@ def test_tp_checkpoint_resumes_exactly_and_refuses_another_tp_size(tmp_path):
     assert "zero_tp01_rank00001.safetensors" in r["files"], r["files"]
     with pytest.raises(AssertionError, match="saved with 'tp_size' = 2; this run has tp_size = 1"):
         run_distributed(_tp_checkpoint_other_tp, 2, args=(ckpt,))
+
+
+def test_a_recycled_id_is_not_taken_for_a_replaced_parameter():
+    """`TensorParallel.replaced` is keyed by id: once an original parameter is freed, a new
+    object (say, the next layer's local parameter) may get its id and must not be taken for it.
+    Taking it swapped one layer's weight for another's, in some runs only."""
+    tp = TensorParallel.__new__(TensorParallel)  # local_of reads only `replaced`
+    tp.replaced = {}
+    local = torch.nn.Parameter(torch.ones(2))
+    recycled = 0
+    for _ in range(100):
+        original = torch.nn.Parameter(torch.zeros(4))
+        tp.replaced = {id(original): (weakref.ref(original), local)}
+        assert tp.local_of(original) is local
+        freed = id(original)
+        del original
+        newcomers = [torch.nn.Parameter(torch.zeros(4)) for _ in range(50)]
+        for newcomer in newcomers:
+            if id(newcomer) == freed:
+                recycled += 1
+                assert tp.local_of(newcomer) is newcomer
+    assert recycled > 0  # CPython reuses ids often; the case above did occur

@@ -170,7 +170,7 @@ class PipelineEngine(Engine):
         tp = TensorParallel(self.module, plan, self.topology.tp, self.comm)
         tp.apply()
         for group in self.optimizer.param_groups:
-            group["params"] = [tp.replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = [tp.local_of(p) for p in group["params"]]
         return tp
 
     def _release_other_stages(self) -> None:

@@ -249,7 +249,7 @@ class ZeroEngine(Engine):
         self.tp = TensorParallel(self.module, plan, self.topology.tp, self.comm)
         self.tp.apply()
         for group in optimizer.param_groups:
-            group["params"] = [self.tp.replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = [self.tp.local_of(p) for p in group["params"]]
 
     def _broadcast_module(self) -> None:
         """Start every data-parallel rank from rank 0's weights and buffers, as DDP does."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -238,8 +239,10 @@ class TensorParallel:
         self.index = group.rank_of(dist.get_rank())
         self.shards: dict[int, TPShard] = {}
         """id(parameter) -> how it was split."""
-        self.replaced: dict[int, torch.nn.Parameter] = {}
-        """id(original parameter) -> the local parameter that took its place."""
+        self.replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+        """id(original parameter) -> (the original, weakly; the local parameter that took its
+        place). Read it through `local_of`: an original no longer used is freed, and a new
+        object may then get its id."""
         self._handles = []
 
     # --- validation (touches nothing) ---------------------------------------------------------
@@ -331,19 +334,20 @@ class TensorParallel:
                 p = getattr(module, attr, None)
                 if p is None or (attr == "bias" and shard.dim == 1):
                     continue  # a rowwise bias stays whole: it is added once, after the reduce
-                if id(p) not in replaced:
+                local = self.local_of(p)
+                if local is p:
                     local = torch.nn.Parameter(
                         split(p.data, shard, self.index, self.size), requires_grad=p.requires_grad
                     )
                     self.shards[id(local)] = shard
-                    replaced[id(p)] = local
-                setattr(module, attr, replaced[id(p)])
+                    replaced[id(p)] = (weakref.ref(p), local)
+                setattr(module, attr, local)
             self._install(module, style)
         # Tied weights: every other module holding an old parameter gets the new one.
         for module in self.model.modules():
             for attr, p in list(module._parameters.items()):
-                if p is not None and id(p) in replaced:
-                    module._parameters[attr] = replaced[id(p)]
+                if p is not None:
+                    module._parameters[attr] = self.local_of(p)
         self._divide_head_counts()
         logger.info("hf_zero AutoTP: %d modules split over %d ranks", len(self.plan), self.size)
 
@@ -414,6 +418,11 @@ class TensorParallel:
                 value = vars(module).get(attr)
                 if isinstance(value, int) and value % self.size == 0:
                     setattr(module, attr, value // self.size)
+
+    def local_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The local parameter that took ``param``'s place, or ``param`` itself."""
+        entry = self.replaced.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else param
 
     # --- saving -------------------------------------------------------------------------------
     def shard_of(self, param: torch.Tensor) -> TPShard | None:
