@@ -77,7 +77,8 @@ def measured_bytes(
             "rss": _status("VmHWM") if peak else _rss(),
         }
     if peak:
-        return {"total": _status("VmHWM"), "rss": _status("VmHWM")}
+        hwm = _status("VmHWM")
+        return {"total": hwm, "rss": hwm}
     rss = _rss()
     free = allocator_free_bytes() if allocator else None
     out = {"total": rss, "rss": rss}
