@@ -179,9 +179,11 @@ def profiled_training(
         model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     if checkpointing:
         model.gradient_checkpointing_enable()
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    # The optimizer made inline, as scripts do: a list of the parameters kept here would keep
+    # AutoTP's replaced full-size originals alive.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     engine = hf_zero.initialize(
-        model, torch.optim.AdamW(trainable, lr=1e-3), stage=stage, profile=True,
+        model, optimizer, stage=stage, profile=True,
         profile_steps=steps, profile_dir=folder, gradient_accumulation_steps=gas,
         train_micro_batch_size_per_gpu=micro, **settings,
     )  # fmt: skip

@@ -271,3 +271,31 @@ def test_a_recycled_id_is_not_taken_for_a_replaced_parameter():
                 recycled += 1
                 assert tp.local_of(newcomer) is newcomer
     assert recycled > 0  # CPython reuses ids often; the case above did occur
+
+
+def _saved_dtypes_under_tp() -> dict:
+    model = build_model(**EVEN)
+    frozen = [n for n, p in model.named_parameters() if "mlp" in n]
+    for name in frozen:  # split by AutoTP, and held in bf16 while training
+        model.get_parameter(name).requires_grad_(False)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = zero_engine(model, stage=1, tp_size=2, precision="bf16")
+    x = batch(engine.topology.dp_rank, 0, 0)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    saved = engine.saved_state_dict()  # whole on rank 0
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "dtypes": sorted({str(v.dtype) for v in saved.values()}),
+        "frozen_as_held": all(
+            torch.equal(saved[n], original[n].to(torch.bfloat16).float()) for n in frozen
+        ),
+    }
+
+
+def test_tp_split_weights_are_saved_in_their_dtype_before_training():
+    """The dtype each parameter had before training is kept by name: AutoTP replaces the
+    parameter objects, so an fp32 model's frozen, split weights held in bf16 come back as fp32."""
+    r = run_distributed(_saved_dtypes_under_tp, 2)[0]
+    assert r["dtypes"] == ["torch.float32"] and r["frozen_as_held"], r

@@ -22,6 +22,8 @@ ASSUMED = {
     "quantize_gbytes_per_s": 0.15,
     "stage3_compute_share": 0.25,
     "fresh_pages_share": 0.35,
+    "dequantize_gbytes_per_s": 1.5,
+    "tp_allreduce_gbytes_per_s": {"cpu": 0.1, "other": 100.0},
 }
 """Figures a prediction needs that one profile does not measure: host-device copy bandwidth
 (GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
@@ -31,7 +33,11 @@ quantizes (0.15 GB/s: measured on the 2-node CPU cluster benchmark, where ZeRO++
 releasing each unit adds to stage 3's compute (0.25: measured on 2 CPU ranks by
 benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0), and what a fixed mmap threshold
 adds to a CPU run's compute (0.35: every large tensor then gets fresh zeroed pages from the OS;
-measured on 2 CPU ranks of the doctor's test model, 3.07 -> 4.19 s per step)."""
+measured on 2 CPU ranks of the doctor's test model, 3.07 -> 4.19 s per step), MixZ++'s
+dequantization of the frozen base for each gather (1.5 GB/s of dequantized weights: 142 MB in 94
+ms per step in the doctor's test), and AutoTP's activation all-reduces (on CPU 0.1 GB/s of
+payload: the doctor's test model took 1.1 s longer per step for 109 MB, waiting and summing on
+the 2 cores the ranks share; on GPUs an NVLink-class 100 GB/s, not measured)."""
 
 MMAP_THRESHOLD = 128 * 1024
 """Bytes above which glibc's malloc maps each allocation on its own and unmaps it on free when
@@ -79,6 +85,12 @@ def _mib(nbytes: float) -> str:
 
 def _scaled(objects: dict[str, int], **factors: float) -> dict[str, int]:
     return {k: int(v * factors.get(k, 1.0)) for k, v in objects.items()}
+
+
+def _tokens_per_rank(d: Diagnosis) -> float:
+    """Tokens one rank's forward saw per step (its data-parallel replica's)."""
+    replicas = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
+    return d.tokens_per_s * d.step_s / replicas
 
 
 def _dtype_bytes(d: Diagnosis) -> int:
@@ -184,6 +196,34 @@ def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
             ["--zero_offload_optimizer", "cpu"], objects, d.step_s + copy,
             f"{moved / 2**20:.1f} MiB from the device to host memory",
             [ONE_POOL])  # fmt: skip
+    if stage == 3 and d.config.get("offload_param") in (None, "none"):
+        _offload_param(d, now, add)
+
+
+def _offload_param(d: Diagnosis, now: dict, add) -> None:
+    """Stage 3's parameter shards to host memory; gathers copy them back, twice a step."""
+    n = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
+    shard = min(now.get("params", 0), int((d.model.get("parameters") or 0) * _dtype_bytes(d) / n))
+    if not shard:
+        return
+    objects = dict(now, params=now.get("params", 0) - shard)
+    objects["host_params"] = objects.get("host_params", 0) + shard
+    notes = [ONE_POOL] if d.device == "cpu" else []
+    if d.config.get("precision") in (None, "fp32") and not now.get("master_weights"):
+        # fp32 masters alias a device shard; once the shard is on the host they are their own
+        # copy, on the optimizer's side (the device unless the optimizer is offloaded too).
+        master = int((d.model.get("trainable") or 0) * 4 / n)
+        offloaded = d.config.get("offload_optimizer") not in (None, "none")
+        side = "host_master_weights" if offloaded else "master_weights"
+        objects[side] = objects.get(side, 0) + master
+        notes.append("fp32: the device keeps an fp32 master of the shard unless "
+                     "`offload_optimizer` moves it too")  # fmt: skip
+    if d.device != "cpu":
+        objects = {k: v for k, v in objects.items() if not k.startswith("host_")}
+    copy = 2 * shard / (ASSUMED["copy_gbytes_per_s"] * 1e9)  # forward's gathers and backward's
+    add("offload_param", "parameter shards to CPU memory (ZeRO-Infinity's CPU tier)",
+        ["--zero_offload_param", "cpu"], objects, d.step_s + copy,
+        f"{_mib(shard)} of parameter shards from the device to host memory", notes)  # fmt: skip
 
 
 def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
@@ -197,9 +237,12 @@ def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
     working = max(0.0, p - total * size / n) if stage == 3 else 2 * p / units
     kept = (total - trainable) * (1 + 4 / QUANT_BLOCK) / n
     objects = dict(now, params=int(trainable * size / n + working + kept))
+    # Every gather (forward's and backward's) dequantizes the whole frozen part of its unit.
+    dequantize = 2 * (total - trainable) * size / (ASSUMED["dequantize_gbytes_per_s"] * 1e9)
     add("mixz", "keep the frozen base as INT8 shards (MixZ++)",
         ["--zero_stage", "3", "--zero_quantized_nontrainable_weights", "true"], objects,
-        d.step_s, f"{max(0.0, p - objects['params']) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
+        d.step_s + dequantize,
+        f"{max(0.0, p - objects['params']) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
 
 
 def _less_activations(now: dict, share: float, peak: int) -> dict:
@@ -220,7 +263,7 @@ def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
     if not a:
         return
     hidden = d.model.get("hidden_size") or 0
-    tokens = d.tokens_per_s * d.step_s / max(1, d.world_size)
+    tokens = _tokens_per_rank(d) / max(1, d.micro_batches)  # activations: one micro-batch
     # Each unit's input stays; in backward one unit's activations are recomputed, and their
     # gradients and the gradient of the unit's input are made (about three units' worth).
     kept = units * tokens * hidden * _dtype_bytes(d) + 3 * a / units
@@ -245,15 +288,30 @@ def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
     if per_node < 2 or (d.config.get("tp_size") or 1) > 1:
         return
     k = 2
-    split = ("params", "grads", "master_weights", "optimizer_states", "activations")
+    split = ("params", "grads", "master_weights", "optimizer_states")
     objects = _scaled(now, **dict.fromkeys(split, 1 / k))
+    layers = d.model.get("num_hidden_layers") or d.model.get("units") or 1
+    tokens = _tokens_per_rank(d) / max(1, d.micro_batches)
+    hidden_wide = layers * tokens * (d.model.get("hidden_size") or 0) * _dtype_bytes(d)
+    a = d.activations_peak
+    if a:
+        # The residual stream stays whole on every rank: each decoder layer's two norms keep
+        # their input and their output (4 hidden-wide values per token), plus the final norm's;
+        # attention heads and the MLP's intermediate activations are split k ways.
+        whole = hidden_wide * (4 + 2 / layers)
+        objects = _less_activations(objects, (1 - min(1.0, whole / a)) * (1 - 1 / k), a)
+    else:
+        objects = _scaled(objects, activations=1 / k)
     # k ranks now share each micro-batch: k times the accumulation keeps the effective batch,
-    # and each rank computes 1/k of every matrix product for k times the micro-batches.
+    # and each rank computes 1/k of every matrix product for k times the micro-batches. Each
+    # layer all-reduces two hidden-wide outputs in forward and two input gradients in backward.
+    payload = 4 * hidden_wide * k * max(1, d.micro_batches)
+    rate = ASSUMED["tp_allreduce_gbytes_per_s"]["cpu" if d.device == "cpu" else "other"]
     add("tp", f"split each layer's matrices over {k} ranks (AutoTP)",
         ["--zero_tp_size", str(k), "--gradient_accumulation_steps", str(k * d.micro_batches)],
-        objects, d.step_s,
-        f"{sum(now.get(x, 0) for x in split) / k / 2**20:.1f} MiB of one rank's share",
-        ["plus an activation all-reduce per layer inside the node (not predicted)"])  # fmt: skip
+        objects, d.step_s + payload / (rate * 1e9),
+        f"{(sum(now.values()) - sum(objects.values())) / 2**20:.1f} MiB of one rank's share",
+        [f"{_mib(payload)} of activations all-reduced inside the node per step"])  # fmt: skip
 
 
 def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:

@@ -94,7 +94,8 @@ class Diagnosis:
 
 def diagnose(profiles: list[dict]) -> Diagnosis:
     """The rank and step with the highest measured memory, its make-up, and the median step's
-    time breakdown over every recorded step of that rank (tokens per second: all ranks)."""
+    time breakdown over every recorded step of that rank (tokens per second: all data-parallel
+    replicas; the ranks of a tensor-parallel group share theirs)."""
     samples = [(p, st, sa) for p in profiles for st in p["steps"] for sa in st["timeline"]]
     if not samples:
         raise ValueError("hf_zero doctor: the profile holds no recorded step")
@@ -110,6 +111,7 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
     walls = [s["wall_s"] for s in steps]
     median = steps[walls.index(statistics.median_low(walls))]
     tokens = sum(statistics.median(s["tokens_per_s"] for s in p["steps"]) for p in profiles)
+    tokens /= profile["config"].get("tp_size") or 1
     return Diagnosis(
         rank=profile["rank"],
         step=step["step"],

@@ -68,7 +68,8 @@ def state_dict_pieces(engine: ZeroEngine, export: Export) -> Iterator[dict[str, 
             value = tp.gather_full(value, shard)
         if not export.keep:
             return None
-        dtype = engine.loaded_dtypes.get(id(p)) if export.original_dtypes else None
+        names = keys.get(id(p)) if export.original_dtypes else None
+        dtype = engine.loaded_dtypes.get(names[0]) if names else None
         if dtype is not None and value.is_floating_point() and value.dtype != dtype:
             if not p.requires_grad and dtype.itemsize > value.dtype.itemsize:
                 widened.append(keys[id(p)][0])

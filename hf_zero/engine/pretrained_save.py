@@ -189,7 +189,8 @@ def piece_specs(
     owners = keys_by_param(model)
 
     def dtype_of(p: torch.Tensor, trainable: bool) -> torch.dtype:
-        loaded = engine.loaded_dtypes.get(id(p)) if original_dtypes else None
+        names = owners.get(id(p)) if original_dtypes else None
+        loaded = engine.loaded_dtypes.get(names[0]) if names else None
         if loaded is not None and p.is_floating_point():
             return loaded
         return torch.float32 if master_weights and trainable else p.dtype

@@ -108,8 +108,8 @@ class ZeroEngine(Engine):
         """Check the model (materialised, the same on every rank), move it to this rank's
         device, apply AutoTP and start every replica from rank 0's values."""
         check_materialized(model)
-        self.loaded_dtypes = {id(p): p.dtype for p in model.parameters()}
-        """Each parameter's dtype before training: the dtype a saved model has."""
+        self.loaded_dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+        """Each parameter's dtype before training (a saved model's), by name: AutoTP swaps objects."""
         check_same_model(model, self.comm, self.topology.world, self.device)
         model.to(self.device)
         disable_cpu_repacking(model)

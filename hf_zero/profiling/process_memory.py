@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from hf_zero.storage import host_memory
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -34,9 +36,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _mallinfo2():
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):  # not glibc, or glibc older than 2.33
+    fn = getattr(host_memory.libc(), "mallinfo2", None)
+    if fn is None:  # not glibc, or glibc older than 2.33
         return None
     fn.restype = _MallInfo2
     return fn
