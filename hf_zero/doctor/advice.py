@@ -202,7 +202,7 @@ def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
 
 def _offload_param(d: Diagnosis, now: dict, add) -> None:
     """Stage 3's parameter shards to host memory; gathers copy them back, twice a step."""
-    n = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
+    n = max(1, d.world_size)  # under AutoTP each rank shards its 1/tp slice over the replicas
     shard = min(now.get("params", 0), int((d.model.get("parameters") or 0) * _dtype_bytes(d) / n))
     if not shard:
         return
