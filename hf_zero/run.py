@@ -40,6 +40,7 @@ import sys
 from typing import Any
 
 from hf_zero.config.settings import CONFIG_FILE_FLAG, SETTINGS, merge_spellings, parse_bool
+from hf_zero.integrations.cpu import create_launched_group
 from hf_zero.integrations.patching import activate, hf_zero_was_used
 from hf_zero.launch_errors import USAGE_STATUS, report, wait_for_rank_zero_report
 
@@ -138,14 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         return fail(f"hf_zero run: no such script: {script}")
     sys.argv = [script, *script_args]
-    # The script's TrainingArguments would create the CPU group without its --ddp_timeout.
-    timeout = ddp_timeout_of(script_args)
-    if timeout is not None:
-        from hf_zero.integrations.cpu import create_cpu_group
-
-        create_cpu_group(None, timeout)
+    # The script's TrainingArguments would create the CPU group without its --ddp_timeout, and
+    # on torch's own store, which a restarted round cannot always form again.
+    create_launched_group(None, ddp_timeout_of(script_args))
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    from hf_zero.integrations.start_checks import StartRefused
+
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except StartRefused as refusal:  # an unwritable --output_dir, another run's folder, ...
+        return fail(str(refusal))
     if (values or config_file) and not hf_zero_was_used():
         flag_of = {s.key: s.flag for s in SETTINGS}
         given = [f"--{flag_of[name]} {value}" for name, value in values.items()]

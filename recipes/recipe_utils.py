@@ -170,6 +170,8 @@ def train_and_save(model, tokenizer, args, dataset, after_save=None) -> None:
     from transformers import default_data_collator
 
     from hf_zero import ZeroTrainer
+    from hf_zero.integrations.run_claim import RunRefused
+    from hf_zero.launch_errors import exit_with
 
     trainer = ZeroTrainer(
         model=model,
@@ -178,7 +180,10 @@ def train_and_save(model, tokenizer, args, dataset, after_save=None) -> None:
         data_collator=default_data_collator,
         processing_class=tokenizer,
     )
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    except RunRefused as refusal:  # another run's folder: one line, exit 2, before training
+        exit_with(str(refusal))
     trainer.save_model(args.output_dir)
     save_run_record(trainer, args.output_dir, probe_logits(model, tokenizer, args.device))
     if after_save is not None:

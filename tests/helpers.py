@@ -1,18 +1,39 @@
 """Shared pieces of the distributed tests: a tiny model, data, and the torch DDP reference.
 
-Everything here runs inside ranks started by ``hf_zero.testing.run_distributed``.
+Everything here runs inside ranks started by ``hf_zero.testing.run_distributed``, except the
+launch commands (`clm_command`), which tests and benchmarks run as a user types them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import hf_zero
 from hf_zero.tiny import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+ACCELERATE += [str(ROOT / "configs/accelerate/cpu_2proc.yaml")]
+"""``accelerate launch`` with the 2-process CPU config, as the docs type it."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+TORCHRUN += ["--max-restarts", "2"]
+"""``torchrun`` with 2 processes and up to 2 restarts."""
+
+
+def clm_command(launcher: list[str], out: Path | str, steps: int, *flags: str) -> list[str]:
+    """The unmodified ``recipes/examples/run_clm.py`` under ``-m hf_zero.run`` at stage 3,
+    logging every step, with ``launcher`` in front and ``flags`` after."""
+    cmd = [*launcher, "-m", "hf_zero.run", str(ROOT / "recipes/examples/run_clm.py")]
+    cmd += ["--output_dir", str(out), "--do_train", "--max_steps", str(steps)]
+    cmd += ["--per_device_train_batch_size", "4", "--logging_steps", "1", "--report_to", "none"]
+    return [*cmd, "--disable_tqdm", "true", "--zero_stage", "3", *flags]
+
 
 # Dimensions chosen so that flat buckets need padding at world sizes 2 and 4 (prime vocabulary,
 # odd sizes), with tied embeddings larger than the test bucket size.

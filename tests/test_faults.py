@@ -296,6 +296,7 @@ def test_the_best_checkpoint_is_recorded_where_it_is_published(tmp_path, saving_
     the saved trainer_state.json."""
     from types import SimpleNamespace
 
+    from hf_zero.integrations.run_claim import RunClaim
     from hf_zero.integrations.trainer_checkpoints import save_staged
 
     class State(SimpleNamespace):
@@ -304,7 +305,9 @@ def test_the_best_checkpoint_is_recorded_where_it_is_published(tmp_path, saving_
 
     trainer = SimpleNamespace(
         state=State(global_step=4, best_model_checkpoint=None),
-        args=SimpleNamespace(should_save=saving_rank, save_total_limit=None),
+        args=SimpleNamespace(
+            should_save=saving_rank, save_total_limit=None, save_only_model=False, world_size=1
+        ),
         accelerator=SimpleNamespace(wait_for_everyone=lambda: None),
     )
     trainer._get_output_dir = lambda trial=None: str(tmp_path)
@@ -312,11 +315,13 @@ def test_the_best_checkpoint_is_recorded_where_it_is_published(tmp_path, saving_
 
     def save():  # what Trainer._save_checkpoint does, in the folder it is given
         folder = Path(trainer._get_output_dir()) / "checkpoint-4"
-        folder.mkdir(parents=True)
+        (folder / "zero").mkdir(parents=True)
+        for part in ("model.safetensors", "scheduler.pt", "rng_state.pth", "zero/COMPLETE"):
+            (folder / part).write_bytes(b"x")
         trainer.state.best_model_checkpoint = str(folder)
         trainer.state.save_to_json(folder / "trainer_state.json")
 
-    save_staged(trainer, None, save)
+    save_staged(trainer, None, save, RunClaim("owner", "run", None))
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
     if not saving_rank:
         return  # the other ranks only keep the path right; the saving rank publishes

@@ -35,7 +35,9 @@ from hf_zero.checkpoint.format import META, ShardReader, read_meta
 from hf_zero.checkpoint.pipeline_format import consolidate_pipeline, is_pipeline_checkpoint
 from hf_zero.storage.safetensors import indexed_files, write_streamed
 
-TRAINER_ZERO_DIR = "zero"  # = hf_zero.integrations.trainer.ZERO_DIR (not imported: slow)
+TRAINER_ZERO_DIR = (
+    "zero"  # = hf_zero.integrations.trainer_checkpoints.ZERO_DIR (not imported: slow)
+)
 PEFT_MARKERS = ("base_model.model.", ".lora_", ".base_layer.", "modules_to_save")
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hf_zero.comm.elastic import round_store, uses_agent_store, warn_if_shared_store
 from hf_zero.comm.teardown import destroy_groups_at_exit
 
 
@@ -224,16 +225,28 @@ def init_distributed(backend: str | None = None, timeout: float | None = None) -
     set. A plain ``python script.py`` gets a one-rank group, so the same code runs unlaunched.
     ``timeout``: seconds a collective may wait for the other ranks before it fails (torch's
     default, 30 minutes, when None). If the group exists already (the launcher's or Accelerate's),
-    it is kept. Either way the groups are destroyed at a normal exit (`teardown`).
+    it is kept. Either way the groups are destroyed at a normal exit (`teardown`). Under a
+    launcher that keeps its store across restarts (torchrun), the group is built on this
+    restart round's own part of that store (`hf_zero.comm.elastic`).
     """
     destroy_groups_at_exit()
     if dist.is_initialized():
+        warn_if_shared_store()
         return
     if backend is None:
         backend = "nccl" if current_device().type == "cuda" else "gloo"
     if current_device().type == "cuda":
         torch.cuda.set_device(current_device())
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ and uses_agent_store():
+        wait = timeout_delta(timeout) or timedelta(minutes=30)
+        dist.init_process_group(
+            backend,
+            store=round_store(wait),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=wait,
+        )
+    elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout_delta(timeout))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -90,6 +90,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("tp_size", int, int, "tensor-parallel size (AutoTP)", ("tp_size",)),
     Setting(
+        "save_on_sigterm",
+        bool,
+        parse_bool,
+        "Trainer: on SIGTERM finish the step, save a checkpoint and exit 0 (pre-emption)",
+    ),
+    Setting(
         "profile",
         bool,
         parse_bool,

@@ -98,6 +98,10 @@ class ZeroConfig:
     stall_warning_seconds: int = 300
     """A rank blocked in one collective this long logs where it waits and which ranks have not
     arrived (once per stall; well before ``comm_timeout`` ends the job). 0 switches it off."""
+    save_on_sigterm: bool = False
+    """Under the Trainer: SIGTERM (pre-emption) finishes the optimizer step in flight, saves a
+    checkpoint and exits with status 0, instead of ending the process at once. Costs one
+    one-element all-reduce per optimizer step (every rank stops at the same step)."""
     profile: bool = False
     """Record where memory and time go, per rank and step (`hf_zero.profiling`), into
     ``profile_dir``; ``hf-zero doctor`` reads it. Off, it costs nothing."""

@@ -37,6 +37,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine import Engine, ZeroEngine, initialize
 from hf_zero.engine.pretrained_save import streamable
+from hf_zero.integrations.cpu import create_launched_group
 from hf_zero.numerics.packed import disable_cpu_repacking
 from hf_zero.optim.deepspeed_schedules import DeepSpeedSchedule
 from hf_zero.sharding.stage3.partitioned_init import is_partitioned
@@ -152,6 +153,14 @@ class ZeroAccelerator(Accelerator):
             kwargs.setdefault("cpu", True)  # several CPU processes: one gloo group
         if not zero_plugin.trainer_managed:
             _adopt_accumulation(zero_plugin.config, kwargs)
+            if zero_plugin.config.save_on_sigterm:
+                raise NotImplementedError(
+                    "hf_zero: 'save_on_sigterm' works under the Trainer only: an Accelerate loop "
+                    "owns its steps and where it saves. Handle SIGTERM in the loop (call "
+                    "accelerator.save_state at a step boundary), or run it under the Trainer"
+                )
+        timeout = zero_plugin.config.comm_timeout
+        create_launched_group(None, timeout if isinstance(timeout, (int, float)) else None)
         super().__init__(*args, mixed_precision="no", **kwargs)
         self.zero_plugin = zero_plugin
         self.engine: ZeroEngine | None = None

@@ -48,13 +48,15 @@ def ensure_cpu_args(args) -> None:
         _ = args.device
 
 
-def create_cpu_group(backend: str | None, timeout_s: float | None) -> None:
-    """Create the launched CPU processes' default group with ``timeout_s`` before Accelerate or
-    the Trainer does: on CPU they create it without a timeout, ignoring ``--ddp_timeout``. Only
-    when launched with several processes and there is no GPU; nothing if the group exists."""
+def create_launched_group(backend: str | None, timeout_s: float | None) -> None:
+    """Create the launched processes' default group before Accelerate or the Trainer does, so
+    that it honours ``timeout_s`` (on CPU they create it without one, ignoring
+    ``--ddp_timeout``) and, under a restarting launcher, forms again in a restarted round
+    (`hf_zero.comm.elastic`). Only when launched with several processes; nothing if the group
+    exists."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
-    if no_gpu() and launched and not dist.is_initialized():
-        init_distributed(backend or "gloo", timeout=timeout_s)
+    if launched and not dist.is_initialized():
+        init_distributed(backend, timeout=timeout_s)
 
 
 def cpu_training_arguments() -> None:

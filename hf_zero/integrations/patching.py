@@ -14,13 +14,22 @@ def activate(values: dict[str, Any] | None = None, config_file: str | None = Non
     """Validate the settings, remember them and point ``transformers.Trainer`` at ZeroTrainer."""
     from hf_zero.config.sources import resolve_sources
     from hf_zero.integrations.cpu import cpu_training_arguments, use_cpu_processes
+    from hf_zero.integrations.start_checks import (
+        check_training_arguments_when_parsed,
+        nvme_path_problem,
+    )
 
     # Bad settings fail before the script runs, including those that depend on the number of
-    # processes the launcher started.
-    resolve_sources(values or {}, config_file).check_world(launched_world_size())
+    # processes the launcher started, and swap folders that cannot be written.
+    config = resolve_sources(values or {}, config_file)
+    config.check_world(launched_world_size())
+    problem = nvme_path_problem(config)
+    if problem:
+        raise ValueError(problem)
     active_settings.remember(values or {}, config_file)
     use_cpu_processes()
     cpu_training_arguments()
+    check_training_arguments_when_parsed()  # --output_dir, --gradient_accumulation_steps
     patch_trainer()
     patch_accelerator()
 

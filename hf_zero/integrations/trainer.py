@@ -19,8 +19,10 @@ from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine.pretrained_save import streamable
 from hf_zero.integrations.accelerate import ZeroAccelerator, ZeroPlugin
 from hf_zero.integrations.cpu import ensure_cpu_args
+from hf_zero.integrations.preemption import SaveOnSigterm
+from hf_zero.integrations.run_claim import claim_run
 from hf_zero.integrations.trainer_arguments import zero_config_for
-from hf_zero.integrations.trainer_checkpoints import record_saved_dtype, remove_debris, save_staged
+from hf_zero.integrations.trainer_checkpoints import ZERO_DIR, record_saved_dtype, save_staged
 from hf_zero.optim.deepspeed_optimizer import (
     optimizer_spec,
     trainer_values,
@@ -31,7 +33,6 @@ from hf_zero.sharding.stage3.units import num_parameters
 
 logger = logging.getLogger(__name__)
 
-ZERO_DIR = "zero"  # the engine's sharded checkpoint inside a Trainer checkpoint directory
 COMM_LOG_KEYS = ("comm_wire_MiB_per_step", "comm_paper_MiB_per_step")
 """Logged per step: bytes this rank sent (every purpose), ZeRO traffic's paper volume."""
 
@@ -62,6 +63,7 @@ class ZeroTrainerMixin:
         super().__init__(*args, **kwargs)
         self._warn_sections_overridden()
         self.add_callback(ProfileLogging())
+        self.add_callback(SaveOnSigterm())
 
     @property
     def engine(self):
@@ -240,7 +242,10 @@ class ZeroTrainerMixin:
     def _save_checkpoint(self, model, trial) -> None:
         if self.engine is None:
             return super()._save_checkpoint(model, trial)
-        save_staged(self, trial, functools.partial(super()._save_checkpoint, model, trial))
+        if getattr(self, "_run_claim", None) is None:  # a save outside train()
+            self._run_claim = claim_run(self, None)
+        save = functools.partial(super()._save_checkpoint, model, trial)
+        save_staged(self, trial, save, self._run_claim)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         target = model or self.model
@@ -287,11 +292,12 @@ class ZeroTrainerMixin:
 
     # --- parameter counts (ZeRO-3: p.numel() is 0 for a released parameter) ------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        resume_from_checkpoint = _resume_flag(resume_from_checkpoint)
+        # Where to start (auto / a restarted round: the latest complete checkpoint), with the
+        # output folder taken for this run; refused on every rank together.
+        self._run_claim = claim_run(self, resume_from_checkpoint, getattr(self, "_run_claim", None))
+        resume_from_checkpoint = self._run_claim.resume
         # The "Number of trainable parameters" line comes from transformers.trainer's
         # get_model_param_count, which reads the whole size (ds_numel) only under DeepSpeed.
-        if self.args.should_save and os.path.isdir(self.args.output_dir):
-            remove_debris(self.args.output_dir)  # what an interrupted save left
         original = trainer_module.get_model_param_count
         trainer_module.get_model_param_count = _whole_param_count
         try:
@@ -331,14 +337,6 @@ class ProfileLogging(TrainerCallback):
         profiler = self._profiler(model)
         if profiler is not None and profiler.done and not profiler.logged:
             control.should_log = True
-
-
-def _resume_flag(value):
-    """``--resume_from_checkpoint true`` arrives as the string "true": the latest checkpoint,
-    as ``True`` means ("false": none). A folder of that name is still a folder."""
-    if isinstance(value, str) and value.lower() in ("true", "false") and not os.path.isdir(value):
-        return value.lower() == "true" or None
-    return value
 
 
 def _differs(ours, theirs) -> bool:

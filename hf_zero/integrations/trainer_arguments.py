@@ -22,7 +22,8 @@ from hf_zero.config.checks import AUTO
 from hf_zero.config.settings import CONFIG_FILE_FLAG, CONFIG_FILE_HELP, SETTINGS, merge_spellings
 from hf_zero.config.sources import ENV_VAR, explicit_values, resolve_sources
 from hf_zero.config.zero_config import ZeroConfig
-from hf_zero.integrations.cpu import create_cpu_group
+from hf_zero.integrations.cpu import create_launched_group
+from hf_zero.integrations.start_checks import nvme_path_problem, training_argument_problem
 from hf_zero.optim.deepspeed_optimizer import (
     optimizer_spec,
     resolve_params,
@@ -56,16 +57,20 @@ class _ZeroArguments:
     """The methods of `ZeroTrainingArguments` (its fields come from the settings table)."""
 
     def __post_init__(self) -> None:
-        # Checked first: bad settings fail before TrainingArguments touches any device.
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)} is not allowed: at least 1")
+        # Checked first: bad settings fail before TrainingArguments touches any device, and
+        # folders that cannot be written before anything is trained.
+        problem = training_argument_problem(self)
+        if problem:
+            raise ValueError(problem)
         self.zero = self.resolve_zero_config()
+        problem = nvme_path_problem(self.zero)
+        if problem:
+            raise ValueError(problem)
         if "WORLD_SIZE" in os.environ:  # launched: the process count is known now
             self.zero.check_world(int(os.environ["WORLD_SIZE"]))
         if not torch.cuda.is_available():
             self.use_cpu = True
-            create_cpu_group(self.ddp_backend, self.ddp_timeout)  # honours --ddp_timeout
+        create_launched_group(self.ddp_backend, self.zero.comm_timeout)  # = --ddp_timeout
         if self.zero.pp_size > 1:  # every micro-batch of a pipeline step the same size
             self.dataloader_drop_last = True
         super().__post_init__()

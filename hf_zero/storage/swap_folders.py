@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_zero.storage.disk_space import tree_bytes
+from hf_zero.storage.owners import pid_alive
 
 logger = logging.getLogger("hf_zero.storage.swap")
 
@@ -74,13 +75,13 @@ def remove_stale(root: Path) -> list[Path]:
     for run in root.glob(f"{RUN_PREFIX}*"):
         for rank_dir in _entries(run):
             remover = _REMOVING.match(rank_dir.name)
-            if remover is not None and not _alive(int(remover["pid"])):
+            if remover is not None and not pid_alive(int(remover["pid"])):
                 shutil.rmtree(rank_dir, ignore_errors=True)  # a removal that was cut short
                 continue
             match = _RANK_DIR.match(rank_dir.name)
             if match is None or match["host"] not in (None, host):
                 continue  # not ours to judge: another host's, or not a rank folder
-            if _alive(int(match["pid"])):
+            if pid_alive(int(match["pid"])):
                 continue
             # The other ranks of this host look at the same folders at the same time: whoever
             # renames it first removes it, the others skip it.
@@ -97,7 +98,7 @@ def remove_stale(root: Path) -> list[Path]:
             )  # fmt: skip
             removed.append(rank_dir)
         launcher = run.name.removeprefix(RUN_PREFIX)
-        if launcher.isdigit() and _alive(int(launcher)):
+        if launcher.isdigit() and pid_alive(int(launcher)):
             continue  # a live run: its ranks may be creating their folders in it right now
         with contextlib.suppress(OSError):
             run.rmdir()
@@ -122,16 +123,6 @@ def describe_others(root: Path, own: Path) -> str:
     if not others:
         return ""
     return "; other swap folders there: " + ", ".join(others[:5])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _tree_mib(path: Path) -> float:
