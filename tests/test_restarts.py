@@ -10,7 +10,8 @@ under ``-m hf_zero.run``, launched as the docs say, with faults injected from ou
   where torch's own group on torchrun's store fails to connect.
 * Two runs in one output folder: the second, started while the first is stopped (SIGSTOP), is
   refused in one line naming the first; the first finishes; each checkpoint it published
-  resumes exactly; a fresh start over its checkpoints is refused, ``auto`` resumes.
+  resumes exactly; a fresh start over its checkpoints is refused, ``auto`` resumes, and refuses
+  a checkpoint whose bytes changed after the save.
 * SIGTERM with ``--zero_save_on_sigterm``: the run saves the step it finished and exits 0; a
   restart with ``auto`` loses no step. Without it, SIGTERM saves nothing.
 """
@@ -141,18 +142,19 @@ def test_an_elastic_restart_resumes_from_the_latest_checkpoint(tmp_path, uninter
     assert not (out / ".hf_zero-staging").exists()
 
 
-@pytest.mark.parametrize("groups_by", ["torch", "hf_zero"])
-def test_a_restarted_round_forms_its_group_again(groups_by):
-    """Rank 1 of the restarted round looks its peer up before rank 0 of that round arrives:
-    on torchrun's store as torch uses it, it finds the dead previous rank 0's address and fails
-    to connect (the bug this guards against); on hf_zero's per-round keys it waits and joins."""
-    cmd = [*TORCHRUN[:-1], "1", str(ROOT / "tests/scripts/elastic_rejoin.py"), groups_by]
+def test_restarted_rounds_form_their_group_again():
+    """In each of three restarted rounds rank 1 looks its peer up before rank 0 of that round
+    arrives. On torchrun's store as torch uses it, that lookup can find the dead previous rank
+    0's address (connect refused or timed out: a race lost in about 7 of 10 rounds here, so
+    three rounds in a row pass by luck about 3 times in 100); on hf_zero's per-round keys rank 1
+    waits for this round's rank 0 and every round joins."""
+    cmd = [*TORCHRUN[:-1], "3", str(ROOT / "tests/scripts/elastic_rejoin.py"), "hf_zero"]
     done = _run(cmd, timeout=120)
-    if groups_by == "torch":
-        assert done.returncode != 0 and "connectFullMesh failed" in done.stderr, done.stderr[-2000:]
-        return
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0 joined round 1: 2" in done.stdout and "rank 1 joined round 1: 2" in done.stdout
+    assert "connectFullMesh failed" not in done.stderr
+    for attempt in range(4):
+        for rank in range(2):
+            assert f"rank {rank} joined round {attempt}: 2" in done.stdout, done.stdout
 
 
 def test_a_second_run_in_the_same_folder_is_refused_and_the_first_stays_whole(tmp_path):
@@ -192,6 +194,17 @@ def test_a_second_run_in_the_same_folder_is_refused_and_the_first_stays_whole(tm
     auto = _run(_command(ACCELERATE, out, 6, "--save_steps", "2", "--resume_from_checkpoint", "auto"))  # fmt: skip
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-6'}, the latest complete checkpoint" in auto.stderr
+    # transformers 5.25 trains one step past max_steps when resumed at it (plain Trainer too):
+    # the byte is changed in the latest checkpoint, whichever that is.
+    latest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    weights = latest / "model.safetensors"  # one byte changed, the size kept
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    changed = _run(_command(ACCELERATE, out, 6, "--save_steps", "2", "--resume_from_checkpoint", "auto"))  # fmt: skip
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("error:")]
+    assert changed.returncode != 0 and len(errors) == 1, changed.stderr[-3000:]
+    assert f"cannot resume from {latest}: model.safetensors: checksum mismatch" in errors[0]
 
 
 @pytest.mark.parametrize("setting", ["on", "off"])

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_zero.checkpoint.manifest import read_manifest
+from hf_zero.checkpoint.manifest import manifest_problems, read_manifest
 from hf_zero.checkpoint.run_lock import OutputDirBusy, RunLock
 from hf_zero.comm.elastic import RESTART_COUNT, restart_count
 from hf_zero.integrations.agreement import agree
@@ -77,6 +77,7 @@ def _decide(trainer, requested, previous: RunClaim | None) -> RunClaim:
     remove_dead_staging(output_dir)
     resume = _resume_point(trainer, _flag(requested), output_dir)
     if isinstance(resume, str):
+        _verify(Path(resume))
         manifest = read_manifest(Path(resume)) or {}
         run_id = manifest.get("run_id") or uuid.uuid4().hex
     else:
@@ -91,6 +92,19 @@ def _decide(trainer, requested, previous: RunClaim | None) -> RunClaim:
                 "another --output_dir (or remove them)"
             )
     return RunClaim(lock.owner.name, run_id, resume)
+
+
+def _verify(checkpoint: Path) -> None:
+    """Every byte of the checkpoint a run resumes from, against its manifest (checkpoints
+    written without one are checked by the engine's own shard checksums only)."""
+    if read_manifest(checkpoint) is None:
+        return
+    problems = manifest_problems(checkpoint, checksums=True)
+    if problems:
+        raise RunRefused(
+            f"hf_zero: cannot resume from {checkpoint}: {'; '.join(problems)}. Resume from an "
+            "earlier checkpoint (--resume_from_checkpoint <folder>), or remove this one"
+        )
 
 
 def _resume_point(trainer, requested, output_dir: Path) -> str | bool | None:
