@@ -53,6 +53,7 @@ Purposes keep the ZeRO traffic comparable with the paper while nothing goes unco
 
 * ``"zero"``: gradient and parameter traffic (reductions, gathers, the initial broadcast, ZeRO++).
 * ``"tp"``: AutoTP activations and gradients, and gathering TP slices for a state dict.
+* ``"sp"``: sequence parallelism's attention all-to-alls and loss sums.
 * ``"control"``: flags, execution-order checks, barriers, gradient-norm and overflow reductions.
 
 ``bytes()``, ``as_dict()`` (without arguments), ``calls``, ``intra_node_bytes`` and
@@ -65,7 +66,7 @@ import threading
 from collections import defaultdict
 from typing import NamedTuple
 
-PURPOSES = ("zero", "tp", "control")
+PURPOSES = ("zero", "tp", "sp", "control")
 PAPER_FACTOR = {
     "all_reduce": 2,
     "reduce_scatter": 1,

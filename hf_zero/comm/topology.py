@@ -1,4 +1,4 @@
-"""Process groups: data parallel, tensor parallel, intra-node and inter-node.
+"""Process groups: data parallel, tensor parallel, sequence parallel, intra-node and inter-node.
 
 Rank layout: ``rank = dp_index * tp_size + tp_index``, so a tensor-parallel group is a run of
 consecutive ranks (inside one node whenever ``tp_size`` divides the node size). A "node" is a run
@@ -72,6 +72,9 @@ class Topology:
     step 2)."""
     hpz: Group | None = None
     """ZeRO++ hpZ: runs of ``hpz_size`` consecutive data-parallel ranks; ``None`` when off."""
+    sp: Group | None = None
+    """Ulysses sequence parallelism: runs of ``sp_size`` consecutive data-parallel ranks that
+    share each batch, a slice of every sequence each; ``None`` when off."""
 
     @property
     def dp_size(self) -> int:
@@ -80,6 +83,15 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         return self.dp.rank_of(self.rank)
+
+    @property
+    def data_size(self) -> int:
+        """Data-parallel ranks that read different batches: sequence-parallel ranks share one."""
+        return self.dp_size // (self.sp.size if self.sp is not None else 1)
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank // (self.sp.size if self.sp is not None else 1)
 
     @property
     def tp_rank(self) -> int:
@@ -106,7 +118,7 @@ class Topology:
         seen = []
         for group in (
             self.dp, self.tp, self.intra_node, self.inter_node, self.dp_control,
-            self.dp_intra_node, self.dp_inter_node, self.hpz,
+            self.dp_intra_node, self.dp_inter_node, self.hpz, self.sp,
         ):  # fmt: skip
             pg = group.pg if group is not None else None
             if pg is None or pg is dist.group.WORLD or any(pg is s for s in seen):
@@ -122,11 +134,12 @@ class Topology:
         node_size: int | None = None,
         hpz_size: int = 1,
         timeout: float | None = None,
+        sp_size: int = 1,
     ) -> Topology:
         """Create every group. Collective: all ranks must call it with the same arguments.
 
         ``hpz_size > 1`` also creates the ZeRO++ secondary-partition groups; it must divide the
-        data-parallel size. ``timeout``: seconds a collective of the groups created here (and of
+        data-parallel size; ``sp_size > 1`` the sequence-parallel groups. ``timeout``: seconds a collective of the groups created here (and of
         the default group, if it is created here) may wait before it fails.
         """
         if not dist.is_initialized():
@@ -196,9 +209,18 @@ class Topology:
             hpz = make(
                 [m[i : i + hpz_size] for m in dp_members for i in range(0, dp_size, hpz_size)]
             )
+        sp = None
+        if sp_size > 1:
+            if dp_size % sp_size:
+                raise ValueError(
+                    f"zero config: 'sp_size' = {sp_size} must divide the data-parallel size "
+                    f"{dp_size}"
+                )
+            sp = make([m[i : i + sp_size] for m in dp_members for i in range(0, dp_size, sp_size)])
         return cls(
-            world, rank, tp_size, node_size, dp, tp, intra, inter, control, dp_intra, dp_inter, hpz
-        )
+            world, rank, tp_size, node_size, dp, tp, intra, inter, control, dp_intra, dp_inter,
+            hpz, sp,
+        )  # fmt: skip
 
 
 def hpz_size(setting: int | str, tp_size: int, node_size: int | None) -> int:

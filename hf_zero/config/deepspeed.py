@@ -248,6 +248,7 @@ KEYS: dict[str, Fate] = {
         "`offload_param: {device: cpu}` to keep them all there",
     ),
     "zero_optimization.offload_param.nvme_path": _h("offload_param_nvme_path", "/local_nvme"),
+    "sequence_parallel_size": _h("sp_size", 2),  # DeepSpeed's Ulysses (ALST)
     # --- tensor parallelism -------------------------------------------------------------------
     "tensor_parallel": _SECTION,
     "tensor_parallel.autotp_size": _h("tp_size", 2),
@@ -310,7 +311,7 @@ KEYS: dict[str, Fate] = {
     ),
     "pipeline.use_reentrant": Fate(NO_EFFECT, "activation checkpointing is the model's own"),
     "seq_parallel_communication_data_type": Fate(
-        NO_EFFECT, "sequence parallelism is not implemented"
+        NO_EFFECT, "sequence-parallel all-to-alls carry the activations in their own dtype"
     ),
     "disable_allgather": Fate(REFUSED, "updated shards must be all-gathered", _truthy),
 }

@@ -90,6 +90,21 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("tp_size", int, int, "tensor-parallel size (AutoTP)", ("tp_size",)),
     Setting(
+        "sp_size",
+        int,
+        int,
+        "Ulysses sequence parallelism: ranks sharing each sequence (1/sp of it each)",
+    ),
+    Setting(
+        "tiled_logits",
+        str,
+        str,
+        "head and loss over tiles of tokens: true, false or auto (tile when logits > 256 MiB)",
+    ),
+    Setting(
+        "tiled_mlp", bool, parse_bool, "MLPs over tiles of the sequence, recomputed in backward"
+    ),
+    Setting(
         "save_on_sigterm",
         bool,
         parse_bool,

@@ -14,14 +14,13 @@ file that does not parse (with its line). Every field below has an effect.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hf_zero.config.checks import AUTO, at_least, frozen_storage, int_or_auto, one_of, suggest
+from hf_zero.config.files import read_mapping
+from hf_zero.config.sequence import check_sequence_settings
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -191,6 +190,20 @@ class ZeroConfig:
     node_size: int | None = None
     """Ranks per node; default ``LOCAL_WORLD_SIZE``. Set it to simulate several nodes on one host."""
 
+    # --- long sequences (hf_zero.sequence) ------------------------------------------------------
+    sp_size: int = 1
+    """Ulysses sequence parallelism: ranks per group sharing each sequence (1/sp each). ZeRO
+    shards over all ranks; the data loader is sharded over the ``world / sp_size`` groups."""
+    tiled_logits: bool | str = AUTO
+    """Head and cross-entropy over tiles of tokens (the whole logits never exist); ``auto``
+    tiles a batch whose fp32 logits would exceed 256 MiB."""
+    logits_tile_tokens: int | str = AUTO
+    """Tokens per logits tile; ``auto``: as many as make 64 MiB of fp32 logits."""
+    tiled_mlp: bool = False
+    """Every ``*.mlp`` module over tiles of the sequence, recomputed in backward."""
+    mlp_tile_tokens: int | str = AUTO
+    """Tokens per MLP tile; ``auto``: the model's hidden size (as DeepSpeed's TiledMLP)."""
+
     # ------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         self.validate()
@@ -306,13 +319,18 @@ class ZeroConfig:
                 f"divide the number of processes ({world_size})"
             )
         dp_size = world_size // (self.tp_size * self.pp_size)
+        if dp_size % self.sp_size:
+            raise ValueError(
+                f"zero config: 'sp_size' = {self.sp_size} must divide the number of processes "
+                f"({world_size})"
+            )
         hpz = self.hpz_partition_size
         if hpz != AUTO and dp_size % hpz:
             raise ValueError(
                 f"zero config: 'hpz_partition_size' = {hpz} must divide the data-parallel size "
                 f"({dp_size} = {world_size} processes / tp_size {self.tp_size})"
             )
-        self.check_batch_sizes(dp_size)
+        self.check_batch_sizes(dp_size // self.sp_size)
 
     @property
     def frozen_format(self) -> str | None:
@@ -444,6 +462,7 @@ class ZeroConfig:
                 f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
                 f"got stage {self.stage}"
             )
+        check_sequence_settings(self)
 
 
 def values_of(raw: Mapping) -> dict[str, Any]:
@@ -455,44 +474,9 @@ def values_of(raw: Mapping) -> dict[str, Any]:
     return check_keys(raw)
 
 
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def read_mapping(path: str | Path) -> dict[str, Any]:
-    """The mapping a YAML or JSON file holds; a ``ValueError`` names the file (and the line of a
-    syntax error) when it is missing, unreadable or not a mapping."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"zero config: file '{path}' does not exist")
-    text = path.read_text()
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"zero config: {path}:{error.lineno}:{error.colno}: not valid JSON ({error.msg})"
-        ) from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"zero config: {where}: not valid YAML ({problem})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"zero config: '{path}' must hold a mapping, got {type(data).__name__}")
-    return data
-
-
 def check_keys(values: Mapping) -> dict[str, Any]:
     fields = set(ZeroConfig.__dataclass_fields__)
     for key in values:
         if key not in fields:
-            raise ValueError(f"zero config: unknown key '{key}'{_suggest(key, fields)}")
+            raise ValueError(f"zero config: unknown key '{key}'{suggest(key, fields)}")
     return dict(values)
-
-
-def _suggest(key: str, options: set[str]) -> str:
-
-    return suggest(key, options)

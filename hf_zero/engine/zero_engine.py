@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hf_zero import sequence
 from hf_zero.comm import Collectives, CommStats
 from hf_zero.comm.topology import Topology, current_device, hpz_size, init_distributed
 from hf_zero.comm.watchdog import StallWatchdog
@@ -64,6 +65,7 @@ class ZeroEngine(Engine):
 
         self._connect(config)
         self._place_model(model, optimizer)
+        self.sequence = sequence.install(model, config, self.topology, self.comm)
         nvme = "nvme" in (config.offload_param, config.offload_optimizer)
         self.host_memory = HostMemoryPolicy(
             self.device.type == "cpu", config.host_memory, nvme, config.stage
@@ -89,7 +91,7 @@ class ZeroEngine(Engine):
         init_distributed(timeout=config.comm_timeout)
         hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
         self.topology = Topology.build(
-            config.tp_size, config.node_size, hpz, timeout=config.comm_timeout
+            config.tp_size, config.node_size, hpz, config.comm_timeout, config.sp_size
         )
         self.device = current_device()
         self.comm = Collectives(native_collectives=config.native_collectives)
@@ -100,8 +102,8 @@ class ZeroEngine(Engine):
         )  # fmt: skip
         self.zeropp = zeropp_settings(config, self.topology)
         hidden = getattr(getattr(self.module, "config", None), "hidden_size", None)
-        config.resolve_auto(hidden_size=hidden, world_size=self.topology.dp_size)
-        config.check_batch_sizes(self.topology.dp_size)
+        config.resolve_auto(hidden_size=hidden, world_size=self.topology.data_size)
+        config.check_batch_sizes(self.topology.data_size)
         self.dtype = DTYPES[config.precision]
 
     def _place_model(self, model: torch.nn.Module, optimizer) -> None:
@@ -198,15 +200,13 @@ class ZeroEngine(Engine):
             + ("s" if topo.dp_size > 1 else ""),
             config.precision,
             f"{topo.num_nodes} node(s) of {topo.node_size} rank(s)",
-            *(
-                [f"tensor parallel {topo.tp_size} (AutoTP, {len(self.tp.plan)} modules)"]
-                if self.tp
-                else []
-            ),
             f"{len(self.groups)} trainable buckets"
             if self.groups
             else "evaluation only (no trainable parameters)",
         ]
+        if self.tp:
+            parts.insert(3, f"tensor parallel {topo.tp_size} (AutoTP, {len(self.tp.plan)} modules)")
+        parts += self.sequence.describe() if self.sequence is not None else []
         if config.offload_optimizer != "none":
             parts.append(f"optimizer offloaded to {config.offload_optimizer}")
         if config.offload_param != "none":

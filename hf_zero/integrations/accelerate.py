@@ -194,15 +194,17 @@ class ZeroAccelerator(Accelerator):
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """As Accelerate's, but sharded over the data-parallel ranks only: the ranks of one
-        tensor-parallel group, and the stages of one pipeline, must see the same batch."""
-        tp, pp = self.zero_plugin.config.tp_size, self.zero_plugin.config.pp_size
-        if tp * pp == 1:
+        tensor-parallel group, of one sequence-parallel group, and the stages of one pipeline,
+        must see the same batch."""
+        config = self.zero_plugin.config
+        tp, pp, sp = config.tp_size, config.pp_size, config.sp_size
+        if tp * pp * sp == 1:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         # Accelerate passes its own process count and index; swap them for this one call.
         original = accelerator_module.prepare_data_loader
-        # rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
-        dp_size = self.num_processes // (tp * pp)
-        dp_rank = self.process_index // tp % dp_size
+        # rank = ((pp_rank * data_size + data_rank) * sp_size + sp_rank) * tp_size + tp_rank
+        dp_size = self.num_processes // (tp * pp * sp)
+        dp_rank = self.process_index // (tp * sp) % dp_size
 
         def per_dp_rank(*args, **kwargs):
             return original(*args, **{**kwargs, "num_processes": dp_size, "process_index": dp_rank})
@@ -221,7 +223,7 @@ class ZeroAccelerator(Accelerator):
         gas = config.gradient_accumulation_steps
         gas = gas if plugin.trainer_managed else self.gradient_accumulation_steps
         if isinstance(gas, int):
-            dp_size = self.num_processes // (config.tp_size * config.pp_size)
+            dp_size = self.num_processes // (config.tp_size * config.pp_size * config.sp_size)
             config.replace(gradient_accumulation_steps=gas).check_batch_sizes(dp_size)
         if config.pp_size > 1:
             return self._make_pipeline_engine(model, optimizer, gas)

@@ -1,0 +1,223 @@
+"""Long sequences: Ulysses sequence parallelism, tiled logits and tiled MLP, each exact.
+
+* SP 2 (2 ranks) and SP 4 / SP 2 x DP 2 (4 ranks) against one process training the same global
+  batch in the same run, fp32, AdamW: per-step loss and every parameter within 1e-5 (norm-wise
+  relative; only the order of partial sums differs). Batches carry padding, ignored labels
+  (-100), packed rows (position_ids restarting inside a row), and sequence lengths that sp does
+  not divide (padded); the model has GQA (4 query heads, 2 kv heads: at SP 4 each kv head is
+  repeated) and tied embeddings; stages 0 and 3, optimizer offload, gradient checkpointing, LoRA.
+* Tiled logits (tiles of 5 tokens) and tiled MLP against the untiled run at stage 3: 1e-6.
+* The Trainer: ``run_clm.py`` under ``-m hf_zero.run --zero_sp_size 2`` on 2 processes logs the
+  losses of the same script on one process without SP.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import MODEL, ROOT, build_model, lora_model, max_loss_diff, max_param_diff
+
+import hf_zero
+from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.testing import run_distributed
+
+TOL = 1e-5
+STEPS = 3
+
+
+def _batches(kind: str, data_ranks: int, length: int = 12) -> list[list[dict]]:
+    """Per step, one batch per data-parallel rank."""
+    g = torch.Generator().manual_seed(5)
+    steps = []
+    for _ in range(STEPS):
+        per_rank = []
+        for _ in range(data_ranks):
+            ids = torch.randint(0, MODEL["vocab_size"], (2, length), generator=g)
+            labels = ids.clone()
+            labels[:, :3] = -100  # a prompt that is not trained on
+            batch = dict(input_ids=ids, labels=labels)
+            if kind == "packed":  # three sequences in row 0, two in row 1
+                row0 = [*range(4), *range(5), *range(length - 9)]
+                row1 = [*range(7), *range(length - 7)]
+                batch["position_ids"] = torch.tensor([row0, row1])
+            else:  # right padding in row 1
+                mask = torch.ones(2, length, dtype=torch.long)
+                mask[1, -4:] = 0
+                labels[1, -4:] = -100
+                batch["attention_mask"] = mask
+            per_rank.append(batch)
+        steps.append(per_rank)
+    return steps
+
+
+def _reference(build, steps: list[list[dict]]) -> tuple[list[float], dict]:
+    """One process: the mean of the data-parallel ranks' losses, AdamW."""
+    model = build()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for per_rank in steps:
+        loss = sum(model(**b).loss for b in per_rank) / len(per_rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(build, steps, data_rank: int, probe=None, **cfg) -> tuple[list[float], dict]:
+    model = build()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=1e-3), **cfg)
+    if probe is not None:
+        probe(model)
+    losses = []
+    for per_rank in steps:
+        batch = {k: v.clone() for k, v in per_rank[data_rank].items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        # Every rank reports its sequence-parallel group's whole loss; the step's is their mean.
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / torch.distributed.get_world_size())
+    if cfg.get("sp_size", 1) > 1 and not getattr(model, "is_activation_checkpointing", False):
+        # Per step and layer: q, k, v and the output exchanged in forward, and again in backward
+        calls = engine.comm_stats.call_count(kind="all_to_all", purpose="sp")
+        assert calls == STEPS * MODEL["num_hidden_layers"] * 8, calls
+    full = engine.full_state_dict(rank0_only=False)
+    names = [n for n, _ in model.named_parameters()]
+    return losses, {n: full[n] for n in names if n in full}
+
+
+BUILDERS = {
+    "tiny": lambda: build_model(0),
+    "checkpointed": lambda: build_model(0, checkpointing=True),
+    "lora": lambda: lora_model(0),
+}
+CASES_2 = [  # (model, batches, config)
+    ("tiny", "padded", dict(stage=0)),
+    ("tiny", "packed", dict(stage=3)),  # a KV cache: transformers attends across the sequences
+    ("checkpointed", "packed", dict(stage=3)),  # no cache: each sequence alone
+    ("checkpointed", "padded", dict(stage=3, offload_optimizer="cpu")),
+    ("tiny", "uneven", dict(stage=2)),
+    ("lora", "packed", dict(stage=3)),
+]
+
+
+def _sp_matches_one_process(sp: int, cases) -> list[tuple[str, float, float]]:
+    world = torch.distributed.get_world_size()
+    data_ranks = world // sp
+    data_rank = torch.distributed.get_rank() // sp
+    results = []
+    for name, kind, cfg in cases:
+        steps = _batches(kind, data_ranks, length=11 if kind == "uneven" else 12)
+        ref_losses, ref_params = _reference(BUILDERS[name], steps)
+        losses, params = _train(BUILDERS[name], steps, data_rank, sp_size=sp, **cfg)
+        params = {n: params[n] for n in ref_params if n in params}
+        results.append(
+            (
+                f"{name}/{kind}/{cfg}",
+                max_loss_diff(losses, ref_losses),
+                max_param_diff(params, {n: ref_params[n] for n in params}),
+            )
+        )
+    return results
+
+
+def _check(results) -> None:
+    for rank_results in results:
+        for label, loss_diff, param_diff in rank_results:
+            assert loss_diff < TOL and param_diff < TOL, (label, loss_diff, param_diff)
+
+
+def test_sp2_matches_one_process():
+    _check(run_distributed(_sp_matches_one_process, 2, (2, CASES_2), timeout=300))
+
+
+@pytest.mark.slow
+def test_sp4_and_sp2_dp2_match_one_process():
+    cases = [("tiny", "padded", dict(stage=3)), ("tiny", "packed", dict(stage=1))]
+    _check(run_distributed(_sp_matches_one_process, 4, (4, cases), timeout=300))
+    _check(run_distributed(_sp_matches_one_process, 4, (2, cases), timeout=300))
+
+
+def _tiled_matches_untiled(name: str) -> list[tuple[str, float, float]]:
+    steps = _batches("padded", 2)
+    data_rank = torch.distributed.get_rank()
+    plain = _train(BUILDERS[name], steps, data_rank, stage=3, tiled_logits=False)
+    results = []
+    for cfg, module in (
+        (dict(tiled_logits=True, logits_tile_tokens=5), "lm_head"),
+        (dict(tiled_logits=False, tiled_mlp=True, mlp_tile_tokens=5), "layers.0.mlp.gate_proj"),
+    ):
+        calls = []
+
+        def count_calls(model, module=module, calls=calls):
+            target = next(m for n, m in model.named_modules() if n.endswith(module))
+            target.register_forward_hook(lambda *_: calls.append(1))
+
+        losses, params = _train(BUILDERS[name], steps, data_rank, count_calls, stage=3, **cfg)
+        # 24 tokens a batch: 5 logits tiles, the last all ignored labels (skipped), each run
+        # again in backward; 12 tokens a row: 3 MLP tiles, each recomputed
+        assert len(calls) == STEPS * (8 if module == "lm_head" else 6), (cfg, len(calls))
+        results.append(
+            (str(cfg), max_loss_diff(losses, plain[0]), max_param_diff(params, plain[1]))
+        )
+    return results
+
+
+@pytest.mark.parametrize("name", ["tiny", "lora"])
+def test_tiled_logits_and_mlp_match_untiled(name):
+    for rank_results in run_distributed(_tiled_matches_untiled, 2, (name,), timeout=300):
+        for label, loss_diff, param_diff in rank_results:
+            assert loss_diff < 1e-6 and param_diff < 1e-6, (label, loss_diff, param_diff)
+
+
+def test_sequence_settings_are_checked():
+    with pytest.raises(ValueError, match="'sp_size' = 2 with 'tp_size' = 2"):
+        ZeroConfig(sp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="'tiled_logits' = 'sometimes' is not allowed"):
+        ZeroConfig(tiled_logits="sometimes")
+    with pytest.raises(ValueError, match="'sp_size' = 3 must divide the number of processes"):
+        ZeroConfig(sp_size=3).check_world(2)
+    assert ZeroConfig.load({"sequence_parallel_size": 2}).sp_size == 2  # DeepSpeed's key
+
+
+def _heads_refused():
+    model = build_model(0, num_attention_heads=4, num_key_value_heads=4, hidden_size=40)
+    hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), sp_size=2)
+    model3 = build_model(0, num_attention_heads=5, num_key_value_heads=5, hidden_size=40)
+    try:
+        hf_zero.initialize(model3, torch.optim.SGD(model3.parameters(), lr=0.1), sp_size=2)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_heads_sp_does_not_divide_are_refused():
+    messages = run_distributed(_heads_refused, 2, timeout=120)
+    assert all("'sp_size' = 2 must divide the model's attention heads (5)" in m for m in messages)
+
+
+def _trainer_run(tmp_path, name: str, launcher: list[str], *flags: str) -> list[float]:
+    out = tmp_path / name
+    cmd = [*launcher, "-m", "hf_zero.run", str(ROOT / "recipes/examples/run_clm.py")]
+    cmd += ["--output_dir", str(out), "--do_train", "--max_steps", "4", "--report_to", "none"]
+    cmd += ["--per_device_train_batch_size", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
+    cmd += ["--save_strategy", "no", "--zero_stage", "3", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [e["loss"] for e in history if "loss" in e]
+
+
+def test_trainer_with_sp2_logs_the_one_process_losses(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
+    alone = _trainer_run(tmp_path, "alone", [*torchrun, "1"])
+    sp = _trainer_run(tmp_path, "sp", [*torchrun, "2"], "--zero_sp_size", "2")
+    assert len(sp) == len(alone) == 4
+    assert max_loss_diff(sp, alone) < TOL, (sp, alone)
