@@ -196,6 +196,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                 f"activations {label} checkpointing (sequence {args.seq_len}, micro-batch "
                 f"{args.micro_batch}): {act / gib:.2f} GiB"
             )
+        if shape.vocab:
+            _print_sequence_rows(args, shape)
     print(
         "GiB = 2^30 bytes (1 GiB = 1.074 GB). Model states: parameters, gradients, fp32 master "
         "weights, Adam, on the device (hf_zero column: P parameters, N data-parallel ranks); "
@@ -203,6 +205,29 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     )
     print(WHY_NOT_PAPER)
     return 0
+
+
+def _print_sequence_rows(args: argparse.Namespace, shape) -> None:
+    """Per-rank activations and logits at ``--seq-len``, with and without tiling and SP."""
+    from hf_zero.memory import sequence_bytes
+
+    gib = 2**30
+    print(
+        f"{'per rank, sequence ' + str(args.seq_len):>34} {'activations GiB':>16} {'logits GiB':>11}"
+    )
+    sps = sorted({1, args.sp})
+    for sp in sps:
+        for ckpt in (False, True):
+            for tiled in (False, True):
+                m = sequence_bytes(
+                    shape, args.seq_len, args.micro_batch, args.precision, sp, ckpt, tiled
+                )
+                label = (
+                    f"sp {sp}"
+                    + (" + checkpointing" if ckpt else "")
+                    + (" + tiled" if tiled else "")
+                )
+                print(f"{label:>34} {m['activations'] / gib:>16.2f} {m['logits'] / gib:>11.2f}")
 
 
 def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
@@ -380,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "(a bitsandbytes 4-bit base at every stage, sharded at stage 3; or MixZ++ nf4/fp4)",
     )
     p.add_argument("--seq-len", type=_positive, default=2048)
+    p.add_argument("--sp", type=_positive, default=1, help="sequence-parallel ranks (Ulysses)")
     p.add_argument("--micro-batch", type=_positive, default=1)
     p.add_argument(
         "--gradient-accumulation-steps",

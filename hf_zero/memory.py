@@ -159,6 +159,9 @@ class ModelShape:
     root_unit_params: int = 0
     """What no layer unit holds (embeddings, final norm, an untied head): stage 3's root
     unit, gathered from the forward's start to the backward's end."""
+    vocab: int = 0
+    intermediate: int = 0
+    """The MLP's inner width (the tiled-MLP estimate)."""
 
 
 def shape_of(model) -> ModelShape:
@@ -194,6 +197,8 @@ def shape_of(model) -> ModelShape:
         if hasattr(model, "get_input_embeddings")
         else 0,
         root_unit_params=per_unit.get(0, 0) if layers else 0,
+        vocab=getattr(config, "vocab_size", 0) or 0,
+        intermediate=getattr(config, "intermediate_size", 0) or 0,
     )
 
 
@@ -344,3 +349,37 @@ def infinity_bytes(
         + in_flight
     )
     return report
+
+
+def sequence_bytes(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    precision: str = "bf16",
+    sp_size: int = 1,
+    checkpointing: bool = False,
+    tiled: bool = False,
+    logits_tile_tokens: int | str = "auto",
+) -> dict[str, float]:
+    """Per-rank bytes a micro-batch keeps for backward at ``seq_len`` tokens, split into the
+    layers' activations (`activation_bytes` over this rank's ``seq_len / sp_size`` tokens) and
+    the logits: the head's output in the compute dtype plus its fp32 copy the cross-entropy
+    keeps (``s b V (e + 4)``, ``e`` the compute dtype's bytes, once in fp32). ``tiled``: tiled
+    logits (one tile of ``logits_tile_tokens`` tokens, as the run sizes it, and its gradient, at
+    a time) and tiled
+    MLP (the MLP's three ``s b I`` intermediates for one hidden-size tile of tokens only)."""
+    local = -(-seq_len // sp_size)
+    element = 4 if precision == "fp32" else 2
+    per_token_logits = shape.vocab * (element + (4 if element != 4 else 0))
+    activations = activation_bytes(shape, local, micro_batch, precision, checkpointing)
+    logits = local * micro_batch * per_token_logits
+    if tiled:
+        from hf_zero.sequence.tiles import logits_tile_tokens as tile_size
+
+        tile_tokens = tile_size(logits_tile_tokens, shape.vocab)
+        logits = 2 * min(tile_tokens, local * micro_batch) * per_token_logits
+        layers_holding = 1 if checkpointing else shape.layers
+        tile = min(shape.hidden or local, local)
+        mlp = 3 * shape.intermediate * micro_batch * element * (local - tile)
+        activations = max(activations - layers_holding * mlp, 0)
+    return {"activations": activations, "logits": logits, "total": activations + logits}

@@ -70,6 +70,10 @@ def _h(field: str, example: Any) -> Fate:
 
 _SECTION = Fate(SECTION, "")
 _MONITOR = "use the Trainer's `report_to` / `logging_steps`"
+_CHECKPOINTING = (
+    "checkpointing is the model's own: `gradient_checkpointing` (Trainer) or "
+    "`model.gradient_checkpointing_enable()`"
+)
 _AIO = (
     "swap files are read and written with O_DIRECT by a thread pool (`aio.thread_count` "
     "threads); libaio's submission knobs do not apply"
@@ -267,10 +271,18 @@ KEYS: dict[str, Fate] = {
     "comet": Fate(NO_EFFECT, _MONITOR, _enabled_section),
     "comms_logger": Fate(NO_EFFECT, "use `engine.comm_stats`", _enabled_section),
     "flops_profiler": Fate(NO_EFFECT, "use torch.profiler", _enabled_section),
-    "activation_checkpointing": Fate(
-        NO_EFFECT,
-        "use `gradient_checkpointing` (Trainer) or `model.gradient_checkpointing_enable()`",
-    ),
+    "activation_checkpointing": _SECTION,
+    "activation_checkpointing.cpu_checkpointing": _h("offload_checkpoints", True),
+    **{
+        f"activation_checkpointing.{key}": Fate(NO_EFFECT, _CHECKPOINTING, _truthy)
+        for key in (
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "number_checkpoints",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        )
+    },
     "aio": _SECTION,
     "aio.thread_count": _h("nvme_io_threads", 2),
     "aio.intra_op_parallelism": _h("nvme_io_threads", 2),

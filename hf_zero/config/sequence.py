@@ -18,11 +18,15 @@ def _switch(name: str, value: Any, allow_auto: bool) -> bool | str:
 
 
 def check_sequence_settings(config) -> None:
-    """Validate and normalise ``sp_size``, ``tiled_logits``, ``tiled_mlp`` and their tile sizes;
+    """Validate and normalise ``sp_size``, ``tiled_logits``, ``tiled_mlp``, their tile sizes and
+    ``offload_checkpoints``;
     refuse what sequence parallelism does not compose with."""
     at_least("sp_size", config.sp_size, 1)
     config.tiled_logits = _switch("tiled_logits", config.tiled_logits, allow_auto=True)
     config.tiled_mlp = _switch("tiled_mlp", config.tiled_mlp, allow_auto=False)
+    config.offload_checkpoints = _switch(
+        "offload_checkpoints", config.offload_checkpoints, allow_auto=False
+    )
     config.logits_tile_tokens = int_or_auto("logits_tile_tokens", config.logits_tile_tokens, 1)
     config.mlp_tile_tokens = int_or_auto("mlp_tile_tokens", config.mlp_tile_tokens, 1)
     if config.sp_size > 1:

@@ -105,6 +105,12 @@ SETTINGS: tuple[Setting, ...] = (
         "tiled_mlp", bool, parse_bool, "MLPs over tiles of the sequence, recomputed in backward"
     ),
     Setting(
+        "offload_checkpoints",
+        bool,
+        parse_bool,
+        "with --gradient_checkpointing: each layer's saved inputs in host memory",
+    ),
+    Setting(
         "save_on_sigterm",
         bool,
         parse_bool,

@@ -203,6 +203,9 @@ class ZeroConfig:
     """Every ``*.mlp`` module over tiles of the sequence, recomputed in backward."""
     mlp_tile_tokens: int | str = AUTO
     """Tokens per MLP tile; ``auto``: the model's hidden size (as DeepSpeed's TiledMLP)."""
+    offload_checkpoints: bool = False
+    """Under activation checkpointing, each layer's saved inputs in host memory (CUDA: pinned,
+    copied on a side stream); DeepSpeed's ``activation_checkpointing.cpu_checkpointing``."""
 
     # ------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:

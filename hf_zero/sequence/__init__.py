@@ -6,6 +6,8 @@
 * Tiled logits (``tiled_logits``): the head and cross-entropy a tile of tokens at a time, so the
   whole logits tensor never exists (`tiles`).
 * Tiled MLP (``tiled_mlp``): every ``*.mlp`` module over tiles of the sequence (`tiles`).
+* Checkpoint offload (``offload_checkpoints``): checkpointed layers' saved inputs on the host
+  (`offload`).
 
 `install` wraps the causal LM's ``forward`` in place (under PEFT: the base model's), so the
 user's collator, data loader, loop and Trainer stay as they are.
@@ -21,6 +23,7 @@ from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Topology
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.sequence import tiles, ulysses
+from hf_zero.sequence.offload import offload_checkpoints
 from hf_zero.sequence.shards import IGNORE, SequenceShards, sum_over_group
 
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -48,6 +51,7 @@ def install(
     ``tiled_logits: auto`` alone applies to causal LMs whose logits at their longest context
     would exceed `AUTO_TILE_LOGITS_BYTES` for one sequence (it then decides per batch)."""
     explicit = config.sp_size > 1 or config.tiled_logits is True or config.tiled_mlp
+    explicit = explicit or config.offload_checkpoints
     if not explicit:
         try:
             base = causal_lm(model)
@@ -82,8 +86,9 @@ def install(
         for name, module in base.named_modules():
             if name.split(".")[-1] == "mlp":
                 module.forward = tiles.TiledMLP(module.forward, size)
+    offloaded = offload_checkpoints(base) if config.offload_checkpoints else 0
     forward = CausalLMForward(base, shards, config.tiled_logits, config.logits_tile_tokens)
-    forward.tiled_mlp = config.tiled_mlp
+    forward.tiled_mlp, forward.offloaded = config.tiled_mlp, offloaded
     base.forward = forward
     return forward
 
@@ -113,7 +118,8 @@ class CausalLMForward:
         """What is on, for the engine's start line."""
         parts = [f"Ulysses sequence parallel {self.shards.group.size}"] if self.shards else []
         parts += [f"tiled logits ({self.tiled}, {self.tile_tokens} tokens per tile)"]
-        return parts + (["tiled MLP"] if self.tiled_mlp else [])
+        parts += ["tiled MLP"] if self.tiled_mlp else []
+        return parts + ([f"{self.offloaded} checkpoints to host"] if self.offloaded else [])
 
     def _cached(self, kwargs: dict) -> bool:
         """Whether the model, unsharded, would hold a KV cache in this call (transformers then
