@@ -5,7 +5,8 @@
   relative; only the order of partial sums differs). Batches carry padding, ignored labels
   (-100), packed rows (position_ids restarting inside a row), and sequence lengths that sp does
   not divide (padded); the model has GQA (4 query heads, 2 kv heads: at SP 4 each kv head is
-  repeated) and tied embeddings; stages 0 and 3, optimizer offload, gradient checkpointing, LoRA.
+  repeated) and tied embeddings; stages 0 and 3, optimizer offload, gradient checkpointing, LoRA;
+  Qwen3 (q/k norms) and Mistral with eager attention and a sliding window shorter than the rows.
 * Tiled logits (tiles of 5 tokens) and tiled MLP against the untiled run at stage 3: 1e-6.
 * Checkpoint offload: the same path on CPU, so bit-identical to checkpointing without it.
 * The Trainer: ``run_clm.py`` under ``-m hf_zero.run --zero_sp_size 2`` on 2 processes logs the
@@ -26,6 +27,7 @@ import hf_zero
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.sequence.offload import OffloadedCheckpoint
 from hf_zero.testing import run_distributed
+from hf_zero.tiny import TINY_DECODER, tiny_qwen3
 
 TOL = 1e-5
 STEPS = 3
@@ -99,7 +101,20 @@ BUILDERS = {
     "tiny": lambda: build_model(0),
     "checkpointed": lambda: build_model(0, checkpointing=True),
     "lora": lambda: lora_model(0),
+    "qwen3": lambda: tiny_qwen3(0),
+    "mistral-eager": lambda: _mistral(),
 }
+
+
+def _mistral() -> torch.nn.Module:
+    """Eager attention (an additive mask) and a sliding window shorter than the sequence."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(**{**TINY_DECODER, "sliding_window": 5}, attn_implementation="eager")
+    return MistralForCausalLM(config)
+
+
 CASES_2 = [  # (model, batches, config)
     ("tiny", "padded", dict(stage=0)),
     ("tiny", "packed", dict(stage=3)),  # a KV cache: transformers attends across the sequences
@@ -108,6 +123,8 @@ CASES_2 = [  # (model, batches, config)
     ("checkpointed", "packed", dict(stage=3, offload_checkpoints=True)),
     ("tiny", "uneven", dict(stage=2)),
     ("lora", "packed", dict(stage=3)),
+    ("qwen3", "padded", dict(stage=3)),
+    ("mistral-eager", "padded", dict(stage=1)),
 ]
 
 
@@ -219,11 +236,24 @@ def _trainer_run(tmp_path, name: str, launcher: list[str], *flags: str) -> list[
 
 
 def test_trainer_with_sp2_logs_the_one_process_losses(tmp_path):
+    """transformers' run_clm, unmodified."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
     alone = _trainer_run(tmp_path, "alone", [*torchrun, "1"])
     sp = _trainer_run(tmp_path, "sp", [*torchrun, "2"], "--zero_sp_size", "2")
     assert len(sp) == len(alone) == 4
     assert max_loss_diff(sp, alone) < TOL, (sp, alone)
+
+
+def test_a_loss_computed_outside_the_model_is_refused_under_sp(tmp_path):
+    """TRL's SFTTrainer scores each rank's slice itself (fused_lm_head): without the group's
+    sum its loss and gradients would be 1/sp of the truth, so SP refuses it instead."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd = [*torchrun, "-m", "hf_zero.run", str(ROOT / "recipes/examples/sft.py")]
+    cmd += ["--output_dir", str(tmp_path / "sft"), "--max_steps", "2", "--report_to", "none"]
+    cmd += ["--bf16", "false", "--zero_stage", "3", "--zero_sp_size", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert done.returncode != 0
+    assert "with sp_size > 1 the loss must be the model's own" in done.stderr, done.stderr[-3000:]
 
 
 def _offload_matches_plain() -> tuple[list, list, float, str]:

@@ -108,11 +108,23 @@ class CausalLMForward:
     def __call__(self, *args, **kwargs):
         kwargs.update(zip(self._names, args))
         if self.shards is not None:
+            self._refuse_outside_losses(kwargs)
             kwargs = self.shards.split(kwargs, self._cached(kwargs))
         out = self._tiled_forward(kwargs) if self._tile(kwargs) else self.original(**kwargs)
-        if self.shards is not None and out.loss is not None:
+        if self.shards is not None and getattr(out, "loss", None) is not None:
             out.loss = sum_over_group(out.loss, self.shards.group, self.shards.comm)
         return out
+
+    def _refuse_outside_losses(self, kwargs: dict) -> None:
+        # TRL's fused LM head hands back per-token log-probabilities and its trainer sums them
+        # itself: on one slice that is 1/sp of the loss and of the gradient, silently.
+        if kwargs.get("fused_lm_head") and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "hf_zero: with sp_size > 1 the loss must be the model's own (labels passed to "
+                "it); TRL's fused_lm_head computes it outside the model from each rank's slice, "
+                "which hf_zero cannot yet sum over the sequence-parallel group. Train without "
+                "sp_size, or with a trainer that uses the model's loss"
+            )
 
     def describe(self) -> list[str]:
         """What is on, for the engine's start line."""

@@ -101,7 +101,9 @@ class UlyssesAttention:
         # Eager attention adds a float mask and has no causal default; sdpa takes booleans, or
         # None for a plain causal batch (its fused causal kernels).
         additive = query.dtype if self.inner_name == "eager" else None
-        mask = state.mask(getattr(module, "sliding_window", None), additive)
+        # Mistral passes its window as an argument, Qwen2 sets it on each sliding layer
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        mask = state.mask(window, additive)
         out, _ = self.inner(module, query, key, value, mask, **kwargs)
         # [b, s, heads/sp, d] -> [b, s/sp, heads, d]
         return all_to_all(out, 1, 2, group, comm), None
