@@ -316,3 +316,24 @@ def test_estimated_logits_match_what_autograd_keeps():
     predicted = sequence_bytes(shape_of(model), 512, 1, "fp32")
     assert abs(saved[False] - predicted["total"]) < 0.1 * predicted["total"], (saved, predicted)
     assert saved[True] < 0.1 * saved[False], saved
+
+
+def _auto_tiling() -> tuple[int, bool, bool]:
+    import hf_zero.sequence as sequence
+
+    sequence.AUTO_TILE_LOGITS_BYTES = 10_000  # so that this tiny model's batch is "large"
+    model = build_model(0)
+    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, MODEL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    train = engine(input_ids=ids, labels=ids)  # 24 x 251 x 4 bytes > 10 000: tiled
+    with torch.no_grad():
+        evaluation = engine(input_ids=ids, labels=ids)
+    return len(calls), train.logits is None, evaluation.logits is not None
+
+
+def test_auto_tiles_training_forwards_with_large_logits_only():
+    forward_calls, train_has_no_logits, eval_logits = run_distributed(_auto_tiling, 1)[0]
+    # training: one tile (24 tokens x 251 x 4 bytes is within a 64 MiB tile); evaluation: one
+    assert (forward_calls, train_has_no_logits, eval_logits) == (2, True, True)

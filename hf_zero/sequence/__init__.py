@@ -148,7 +148,11 @@ class CausalLMForward:
         return bool(use_cache) and not (checkpointed and model.training and torch.is_grad_enabled())
 
     def _tile(self, kwargs: dict) -> bool:
-        if self.tiled is False or kwargs.get("labels") is None:
+        # Only a training forward keeps logits for backward; evaluation keeps its logits (the
+        # Trainer's metrics read them), and TRL's fused LM head tiles its own.
+        if self.tiled is False or kwargs.get("labels") is None or kwargs.get("fused_lm_head"):
+            return False
+        if not torch.is_grad_enabled():
             return False
         if self.tiled is True:
             return True
