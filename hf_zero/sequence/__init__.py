@@ -129,7 +129,8 @@ class CausalLMForward:
     def describe(self) -> list[str]:
         """What is on, for the engine's start line."""
         parts = [f"Ulysses sequence parallel {self.shards.group.size}"] if self.shards else []
-        parts += [f"tiled logits ({self.tiled}, {self.tile_tokens} tokens per tile)"]
+        if self.tiled is not False:
+            parts += [f"tiled logits ({self.tiled}, {self.tile_tokens} tokens per tile)"]
         parts += ["tiled MLP"] if self.tiled_mlp else []
         return parts + ([f"{self.offloaded} checkpoints to host"] if self.offloaded else [])
 
