@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.sequence import masks
+from hf_zero.sequence.tiles import IGNORE
 
 logger = logging.getLogger(__name__)
-IGNORE = -100
 
 
 class SequenceShards:
