@@ -153,6 +153,16 @@ DOCTOR_MODEL = {
 """A 19M-parameter Llama whose model states and activations (~600 MiB per rank at stage 0, batch
 8 x 128, fp32) stand well above the process's own ~300 MiB: the doctor's test and benchmark."""
 
+LONG_DOCTOR_MODEL = {
+    "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 16384,
+    "max_position_embeddings": 1024,
+}  # fmt: skip
+"""A 12M-parameter Llama whose activations at 2 x 1024 tokens are mostly logits (2 x 128 MiB:
+the head's output and the loss's log-probabilities) and MLP intermediates: the doctor's case for
+tiled logits, tiled MLP and sequence parallelism. Its longest context keeps `tiled_logits: auto`
+off (64 MiB of logits per sequence)."""
+
 
 def profiled_training(
     folder: str,
@@ -162,16 +172,19 @@ def profiled_training(
     checkpointing: bool,
     steps: int,
     lora: bool = False,
+    model_config: dict | None = None,
+    seq_len: int = 128,
     **settings: Any,
 ) -> None:
-    """One rank (under `run_distributed`): train `DOCTOR_MODEL` (with LoRA adapters on every
-    linear layer of its blocks and the rest frozen, if ``lora``) with ``profile: true`` for a
-    warm-up step and ``steps`` recorded ones, writing the profile to ``folder``; ``settings``
-    are more engine settings (``offload_optimizer``, ``tp_size``, ...)."""
+    """One rank (under `run_distributed`): train ``model_config`` (`DOCTOR_MODEL` by default;
+    with LoRA adapters on every linear layer of its blocks and the rest frozen, if ``lora``) on
+    sequences of ``seq_len`` tokens with ``profile: true`` for a warm-up step and ``steps``
+    recorded ones, writing the profile to ``folder``; ``settings`` are more engine settings
+    (``offload_optimizer``, ``tp_size``, ``sp_size``...)."""
     import hf_zero
     from hf_zero.tiny import tiny_llama, token_batches
 
-    model = tiny_llama(0, **DOCTOR_MODEL)
+    model = tiny_llama(0, **(model_config or DOCTOR_MODEL))
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -187,9 +200,9 @@ def profiled_training(
         profile_steps=steps, profile_dir=folder, gradient_accumulation_steps=gas,
         train_micro_batch_size_per_gpu=micro, **settings,
     )  # fmt: skip
-    # Tensor-parallel ranks share their data-parallel replica's batches.
+    # Tensor- and sequence-parallel ranks share their data-parallel replica's batches.
     topology = engine.topology
-    batches = token_batches(128, micro, topology.dp_rank, topology.dp_size, seed=0)
+    batches = token_batches(seq_len, micro, topology.data_rank, topology.data_size, seed=0)
     for _ in range((steps + 1) * gas):
         x = next(batches)
         engine.backward(engine(input_ids=x, labels=x).loss)

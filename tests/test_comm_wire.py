@@ -4,9 +4,9 @@
   the native collectives, with an 8+ MiB buffer too): calls, paper bytes and wire bytes equal the
   formulas written out here (ring all-reduce 2(N-1)/N M, gloo's reduce-scatter is an all-reduce,
   all-gather / exchange / all-to-all (N-1)/N M, gloo's binomial-tree broadcast M per child).
-* A stage-3 + TP (4 ranks, tp 2) run, set-up included: every torch.distributed call hf_zero makes
+* A stage-3 + TP (4 ranks, tp 2) run and a stage-3 + SP (2 ranks, sp 2) run, set-up included: every torch.distributed call hf_zero makes
   is counted by wrappers installed in the rank; the engine booked every one of them and the same
-  bytes, with ZeRO, TP and control traffic kept apart.
+  bytes, with ZeRO, TP or SP, and control traffic kept apart.
 * From outside: the loopback interface's transmitted bytes (/proc/net/dev) over 20 MiB
   collectives at 2 ranks equal the sum over ranks of the booked wire bytes, within the TCP/IP and
   gloo headers (measured +0.09% to +1.4% over four runs, more when the CPUs are busy and TCP
@@ -215,21 +215,22 @@ class _Wiretap:
         return wrapper
 
 
-def _stage3_tp_run(directory: str) -> dict:
+def _stage3_run(directory: str, parallel: str) -> dict:
+    """Stage 3 with ``parallel`` ("tp" or "sp") over 2 ranks, everything it sends tapped."""
     tap = _Wiretap()
     model = build_model(vocab_size=250, intermediate_size=96)
     engine = hf_zero.initialize(
         model,
         torch.optim.AdamW(two_param_groups(model)),
         stage=3,
-        tp_size=2,
         gradient_clipping=1.0,
         reduce_bucket_size=4000,
         param_persistence_threshold=50,
+        **{f"{parallel}_size": 2},
     )
-    dp_rank = engine.topology.dp_rank
+    data_rank = engine.topology.data_rank  # the ranks of a TP or SP group share a batch
     for step in range(2):
-        x = batch(dp_rank, step, 0, vocab=250)
+        x = batch(data_rank, step, 0, vocab=250)
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
     engine.full_state_dict()  # TP slices gathered over the TP group, units over DP
@@ -251,16 +252,19 @@ def _stage3_tp_run(directory: str) -> dict:
         "init_wire": init.wire_bytes(),
         "purposes": {
             p: init.call_count(purpose=p) + run.call_count(purpose=p)
-            for p in ("zero", "tp", "control")
+            for p in ("zero", parallel, "control")
         },
-        "tp_wire": run.wire_bytes(purpose="tp"),
-        "group_sizes": {engine.topology.dp.size, engine.topology.tp.size},
+        "parallel_wire": run.wire_bytes(purpose=parallel),
+        "group_sizes": {engine.topology.dp.size, getattr(engine.topology, parallel).size},
     }
 
 
-@pytest.mark.slow
-def test_every_call_of_a_stage3_tp_run_is_booked(tmp_path):
-    results = run_distributed(_stage3_tp_run, 4, args=(str(tmp_path / "ckpt"),))
+@pytest.mark.parametrize(
+    "parallel, world", [pytest.param("tp", 4, marks=pytest.mark.slow), ("sp", 2)]
+)
+def test_every_call_of_a_stage3_tp_or_sp_run_is_booked(tmp_path, parallel, world):
+    """TP on 4 ranks (2 x 2), Ulysses SP on 2 (ZeRO shards over the SP ranks too)."""
+    results = run_distributed(_stage3_run, world, args=(str(tmp_path / "ckpt"), parallel))
     assert sum(r["init_wire"] for r in results) > 0  # leaves of gloo's broadcast tree send 0
     for r in results:
         # Every exchange here runs on a 2-rank group: one send and one receive each.
@@ -270,7 +274,7 @@ def test_every_call_of_a_stage3_tp_run_is_booked(tmp_path):
         assert r["tapped_wire"] == r["booked_wire"], r
         assert r["init_calls"] > 0, "the initial broadcasts are counted (engine.init_comm_stats)"
         assert all(calls > 0 for calls in r["purposes"].values()), r
-        assert r["tp_wire"] > 0, r
+        assert r["parallel_wire"] > 0, r
 
 
 # --- (c) from outside: the loopback interface's byte counters ------------------------------------

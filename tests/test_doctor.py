@@ -3,8 +3,12 @@
 * A profiled run's make-up adds up (objects + runtime + allocator cache + other = the sampled
   peak), the sampled peak is within 5% of the OS's own peak (VmHWM, reset at each step), and
   glibc's own count of the free memory it keeps agrees with what the run was set to do.
+* The activations are counted in parts: the head's logits (its output, the loss's
+  log-probabilities) and the MLPs' intermediates apart from the rest, each the size the model's
+  shape gives.
 * Recommendations are predictions that hold: each change is applied in a fresh pair of ranks and
-  its measured peak (VmHWM) is within 10% of the predicted one. On CPU the first change is to let
+  its measured peak (VmHWM) is within 10% of the predicted one (the long-sequence changes from a
+  model whose activations are mostly logits and MLP intermediates). On CPU the first change is to let
   glibc give freed tensors back; the others are predicted from and applied on top of it. (Step
   times are timings, which stay out of pass/fail tests: ``benchmarks/bench_doctor.py`` compares
   predicted and measured step times over interleaved rounds.)
@@ -26,8 +30,9 @@ from hf_zero.doctor.advice import MMAP_THRESHOLD, Budget, recommend
 from hf_zero.doctor.command import parse_size
 from hf_zero.doctor.diagnosis import Diagnosis, diagnose, load_profiles
 from hf_zero.profiling.process_memory import pooled
+from hf_zero.sequence.tiles import LOGITS_TILE_BYTES
 from hf_zero.storage.host_memory import unmap_large_frees
-from hf_zero.testing import profiled_training, run_distributed
+from hf_zero.testing import LONG_DOCTOR_MODEL, profiled_training, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {  # stage, micro-batch, accumulation, activation checkpointing, more settings
@@ -43,7 +48,13 @@ CASES = {  # stage, micro-batch, accumulation, activation checkpointing, more se
     "lora": (3, 8, 1, False, {"lora": True}),
     "mixz": (3, 8, 1, False, {"lora": True, "quantized_nontrainable_weights": True}),
     "tp": (0, 8, 2, False, {"tp_size": 2}),  # the doctor's flags: tp 2, accumulation 2
+    "long": (0, 2, 1, False, {"long": True}),
+    "tiled_logits": (0, 2, 1, False, {"long": True, "tiled_logits": True}),
+    "tiled_mlp": (0, 2, 1, False, {"long": True, "tiled_mlp": True}),
+    "sp": (0, 2, 2, False, {"long": True, "sp_size": 2}),  # sp 2, accumulation 2
 }
+LONG = {"model_config": LONG_DOCTOR_MODEL, "seq_len": 1024}
+"""The long-sequence cases' model and sequence (``"long": True``)."""
 AS_LAUNCHED = {"base"}
 """Runs launched as a user would; the others run with the doctor's allocator change applied
 (``MALLOC_MMAP_THRESHOLD_``): glibc then gives each freed tensor back to the OS, so RSS follows
@@ -54,6 +65,9 @@ PREDICTED_FROM = {
     "offload_optimizer": "stage 2",
     "offload_param": "stage 3",
     "mixz": "lora",
+    "tiled_logits": "long",
+    "tiled_mlp": "long",
+    "sp": "long",
 }
 """The measured run each change is predicted from (the others: "allocator", the base run with
 the allocator change); "lora" is a stage-3 run with a frozen base, which is what MixZ++ applies
@@ -73,6 +87,9 @@ def measured(tmp_path_factory) -> dict[str, Diagnosis]:
     root = tmp_path_factory.mktemp("doctor")
     out = {}
     for name, (*case, settings) in CASES.items():  # fresh processes: RSS is not given back
+        settings = dict(settings)
+        if settings.pop("long", False):
+            settings.update(LONG)
         train = profiled_training if name in AS_LAUNCHED else _freed_training
         run_distributed(train, 2, (str(root / name), *case, 2), settings, timeout=300)
         out[name] = diagnose(load_profiles(root / name))
@@ -90,9 +107,11 @@ def test_the_peak_make_up_adds_up_and_matches_the_os(measured):
     cache = {name: max(m["allocator_cache"] for m in d.moments) for name, d in measured.items()}
     assert cache["base"] > 0.05 * base.peak_bytes, cache
     assert cache["allocator"] < 0.02 * measured["allocator"].peak_bytes, cache
-    # The same effective batch in tokens per step: AutoTP's two ranks share one replica's.
-    per_step = {name: d.tokens_per_s * d.step_s for name, d in measured.items()}
-    assert abs(per_step["tp"] / per_step["allocator"] - 1) < 0.05, per_step
+    # The same effective batch in tokens per step: AutoTP's and Ulysses' two ranks share one
+    # replica's.
+    per_step = {name: d.tokens_per_step for name, d in measured.items()}
+    assert per_step["tp"] == per_step["allocator"] == 2 * 8 * 128, per_step
+    assert per_step["sp"] == per_step["long"] == 2 * 2 * LONG["seq_len"], per_step
     for name, d in measured.items():
         assert abs(d.peak_bytes / d.os_peak_bytes - 1) < 0.05, (name, d.peak_bytes, d.os_peak_bytes)
         assert set(d.phases_s) >= {"compute", "comm_wait_intra", "optimizer"}
@@ -103,7 +122,7 @@ def test_each_recommendation_holds_when_applied(measured):
     """Each kind of change the doctor proposes for these runs, applied: the measured peak is
     within 10% of the predicted one, and a change predicted to save memory saves it."""
     predictions = {name: {c.kind: c for c in recommend(d)} for name, d in measured.items()}
-    changes = set(CASES) - {"base", "lora"}
+    changes = set(CASES) - {"base", "lora", "long"}
     assert changes <= {k for p in predictions.values() for k in p}
     mib = 2**20
     table = []  # change, before, predicted, measured (MiB)
@@ -118,6 +137,26 @@ def test_each_recommendation_holds_when_applied(measured):
         assert abs(after / predicted - 1) < 0.10, table
         if predicted < 0.95 * before:
             assert after < before, table
+
+
+def test_logits_and_mlp_activations_are_counted_apart(measured):
+    """At the forward's end the head holds its output and the loss's fp32 log-probabilities
+    (two tokens x vocab x 4 bytes) and the hidden states it read; each MLP its input and four
+    intermediate-wide values per token (gate, up, the activation, their product)."""
+    model = LONG_DOCTOR_MODEL
+    tokens = 2 * LONG["seq_len"]  # a rank's micro-batch
+    hidden, layers = model["hidden_size"], model["num_hidden_layers"]
+    peaks = measured["long"].activation_peaks
+    logits = tokens * (2 * model["vocab_size"] + hidden) * 4
+    mlp = layers * tokens * (4 * model["intermediate_size"] + hidden) * 4
+    assert abs(peaks["logits"] / logits - 1) < 0.02, (peaks, logits)
+    assert abs(peaks["mlp_activations"] / mlp - 1) < 0.02, (peaks, mlp)
+    assert peaks["activations"] > 0
+    # Tiled, the head holds one tile's logits at a time, and each MLP its input.
+    tiled = measured["tiled_logits"].activation_peaks["logits"]
+    assert tiled <= LOGITS_TILE_BYTES + tokens * hidden * 4 < peaks["logits"] / 3, tiled
+    assert measured["tiled_mlp"].activation_peaks["mlp_activations"] <= layers * tokens * hidden * 4
+    assert "logits" in measured["long"].makeup and "mlp_activations" in measured["long"].makeup
 
 
 def _synthetic(inter_wait: float, link_bytes: float) -> Diagnosis:

@@ -14,30 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_zero.doctor.activation_advice import activation_changes, less_activations
+from hf_zero.doctor.basis import ASSUMED, dtype_bytes, mib, scaled, tokens_per_rank
 from hf_zero.doctor.diagnosis import Diagnosis
-
-ASSUMED = {
-    "copy_gbytes_per_s": 10.0,
-    "recompute_share": 1 / 3,
-    "quantize_gbytes_per_s": 0.15,
-    "stage3_compute_share": 0.25,
-    "fresh_pages_share": 0.35,
-    "dequantize_gbytes_per_s": 1.5,
-    "tp_allreduce_gbytes_per_s": {"cpu": 0.1, "other": 100.0},
-}
-"""Figures a prediction needs that one profile does not measure: host-device copy bandwidth
-(GB/s, PCIe-class), the extra compute of activation checkpointing (one more forward: a third of
-forward + backward), what ZeRO++'s quantization and extra host work cost per byte it
-quantizes (0.15 GB/s: measured on the 2-node CPU cluster benchmark, where ZeRO++ added about
-0.2 s per step besides its link wait; a GPU quantizes far faster), and what gathering and
-releasing each unit adds to stage 3's compute (0.25: measured on 2 CPU ranks by
-benchmarks/bench_doctor.py, where stage 3 took 1.30x stage 0), and what a fixed mmap threshold
-adds to a CPU run's compute (0.35: every large tensor then gets fresh zeroed pages from the OS;
-measured on 2 CPU ranks of the doctor's test model, 3.07 -> 4.19 s per step), MixZ++'s
-dequantization of the frozen base for each gather (1.5 GB/s of dequantized weights: 142 MB in 94
-ms per step in the doctor's test), and AutoTP's activation all-reduces (on CPU 0.1 GB/s of
-payload: the doctor's test model took 1.1 s longer per step for 109 MB, waiting and summing on
-the 2 cores the ranks share; on GPUs an NVLink-class 100 GB/s, not measured)."""
 
 MMAP_THRESHOLD = 128 * 1024
 """Bytes above which glibc's malloc maps each allocation on its own and unmaps it on free when
@@ -77,24 +56,6 @@ class Change:
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables to set for the launch (every rank), besides ``flags``."""
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
-
-
-def _scaled(objects: dict[str, int], **factors: float) -> dict[str, int]:
-    return {k: int(v * factors.get(k, 1.0)) for k, v in objects.items()}
-
-
-def _tokens_per_rank(d: Diagnosis) -> float:
-    """Tokens one rank's forward saw per step (its data-parallel replica's)."""
-    replicas = max(1, d.world_size // max(1, d.config.get("tp_size") or 1))
-    return d.tokens_per_s * d.step_s / replicas
-
-
-def _dtype_bytes(d: Diagnosis) -> int:
-    return 2 if d.config.get("precision") in ("bf16", "fp16") else 4
 
 
 def recommend(d: Diagnosis, budget: Budget | None = None) -> list[Change]:
@@ -137,27 +98,27 @@ def _changes_at(d: Diagnosis, now: dict[str, int], budget: Budget) -> list[Chang
     m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
     g, p = now.get("grads", 0), now.get("params", 0)
     if stage < 1 and m + o:
-        objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n)
-        removes = f"{_mib((m + o) * (1 - 1 / n))} of master weights and optimizer state"
+        objects = scaled(now, master_weights=1 / n, optimizer_states=1 / n)
+        removes = f"{mib((m + o) * (1 - 1 / n))} of master weights and optimizer state"
         add("stage 1", "shard the optimizer state (ZeRO-1)", ["--zero_stage", "1"], objects,
             d.step_s, removes)  # fmt: skip
     if stage < 2 and m + o + g:
-        objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
-        removes = f"{_mib((m + o + g) * (1 - 1 / n))} of gradients and optimizer state"
+        objects = scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
+        removes = f"{mib((m + o + g) * (1 - 1 / n))} of gradients and optimizer state"
         add("stage 2", "shard gradients too (ZeRO-2)", ["--zero_stage", "2"], objects,
             d.step_s, removes)  # fmt: skip
     if stage < 3 and p:
         working = 2 * p / units  # two units gathered at once (the current one, the prefetched)
-        objects = _scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
+        objects = scaled(now, master_weights=1 / n, optimizer_states=1 / n, grads=1 / n)
         objects["params"] = int(p / n + working)
         compute = d.phases_s.get("compute", 0.0)
         step = d.step_s + 0.5 * comm + ASSUMED["stage3_compute_share"] * compute
         note = "~1.5x the communication of stage 2, plus gathering and releasing each unit"
         add("stage 3", "shard the parameters too (ZeRO-3)", ["--zero_stage", "3"], objects,
-            step, f"{_mib(p - objects['params'])} of parameters", [note])  # fmt: skip
+            step, f"{mib(p - objects['params'])} of parameters", [note])  # fmt: skip
     _offload(d, now, stage, add)
     _frozen_base(d, now, stage, n, add)
-    _activations(d, now, units, add)
+    activation_changes(d, now, units, budget, add)
     _tensor_parallel(d, now, budget, add)
     _zeropp(d, now, stage, budget, add)
     _allocator(d, now, add)
@@ -173,7 +134,7 @@ def _allocator(d: Diagnosis, now: dict, add) -> None:
     compute = d.phases_s.get("compute", 0.0)
     add("allocator", "give freed tensors back to the OS (glibc's malloc: fixed mmap threshold)",
         [], dict(now, allocator_cache=0), d.step_s + ASSUMED["fresh_pages_share"] * compute,
-        f"{_mib(d.makeup.get('allocator_cache', 0))} of freed memory malloc keeps at the peak",
+        f"{mib(d.makeup.get('allocator_cache', 0))} of freed memory malloc keeps at the peak",
         ["set for every rank's environment (e.g. before `accelerate launch`)"],
         env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})  # fmt: skip
 
@@ -203,7 +164,7 @@ def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
 def _offload_param(d: Diagnosis, now: dict, add) -> None:
     """Stage 3's parameter shards to host memory; gathers copy them back, twice a step."""
     n = max(1, d.world_size)  # under AutoTP each rank shards its 1/tp slice over the replicas
-    shard = min(now.get("params", 0), int((d.model.get("parameters") or 0) * _dtype_bytes(d) / n))
+    shard = min(now.get("params", 0), int((d.model.get("parameters") or 0) * dtype_bytes(d) / n))
     if not shard:
         return
     objects = dict(now, params=now.get("params", 0) - shard)
@@ -223,14 +184,14 @@ def _offload_param(d: Diagnosis, now: dict, add) -> None:
     copy = 2 * shard / (ASSUMED["copy_gbytes_per_s"] * 1e9)  # forward's gathers and backward's
     add("offload_param", "parameter shards to CPU memory (ZeRO-Infinity's CPU tier)",
         ["--zero_offload_param", "cpu"], objects, d.step_s + copy,
-        f"{_mib(shard)} of parameter shards from the device to host memory", notes)  # fmt: skip
+        f"{mib(shard)} of parameter shards from the device to host memory", notes)  # fmt: skip
 
 
 def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
     total, trainable = d.model.get("parameters") or 0, d.model.get("trainable") or 0
     if not total or trainable >= total or d.config.get("quantized_nontrainable_weights"):
         return
-    p, size = now.get("params", 0), _dtype_bytes(d)
+    p, size = now.get("params", 0), dtype_bytes(d)
     units = max(1, d.model.get("units") or 1)
     # The frozen base becomes INT8 shards; the units gathered for compute stay dequantized
     # (at stage 3 what "params" holds beyond the shards; else two units, as stage 3 gathers).
@@ -245,63 +206,25 @@ def _frozen_base(d: Diagnosis, now: dict, stage: int, n: int, add) -> None:
         f"{max(0.0, p - objects['params']) / 2**20:.1f} MiB of frozen weights")  # fmt: skip
 
 
-def _less_activations(now: dict, share: float, peak: int) -> dict:
-    """The objects with activations ``share`` smaller: those held at this moment, and the
-    freed ones the allocator still keeps (``allocator_cache``, up to the step's activation
-    ``peak`` less those held: a moment after backward sits on the activations' high-water
-    mark)."""
-    held = now.get("activations", 0)
-    cache = now.get("allocator_cache", 0)
-    freed = min(max(cache, 0), max(0, peak - held))
-    return dict(
-        now, activations=int(held * (1 - share)), allocator_cache=int(cache - freed * share)
-    )
-
-
-def _activations(d: Diagnosis, now: dict, units: int, add) -> None:
-    a = d.activations_peak  # the step's high-water mark, whenever the peak itself came
-    if not a:
-        return
-    hidden = d.model.get("hidden_size") or 0
-    tokens = _tokens_per_rank(d) / max(1, d.micro_batches)  # activations: one micro-batch
-    # Each unit's input stays; in backward one unit's activations are recomputed, and their
-    # gradients and the gradient of the unit's input are made (about three units' worth).
-    kept = units * tokens * hidden * _dtype_bytes(d) + 3 * a / units
-    if hidden and kept < a:
-        compute = d.phases_s.get("compute", 0.0)
-        add("checkpointing", "recompute activations in backward (activation checkpointing)",
-            ["--gradient_checkpointing", "true"], _less_activations(now, 1 - kept / a, a),
-            d.step_s + ASSUMED["recompute_share"] * compute,
-            f"{(a - kept) / 2**20:.1f} MiB of activations")  # fmt: skip
-    micro, gas = d.micro_batch or 0, d.micro_batches
-    if micro >= 2:
-        extra = d.phases_s.get("comm_wait_intra", 0) + d.phases_s.get("comm_wait_inter", 0)
-        extra = extra if d.config.get("stage") == 3 else 0.0  # stage 3 gathers per micro-batch
-        add("micro-batch", "halve the micro-batch, double accumulation (same effective batch)",
-            ["--per_device_train_batch_size", str(micro // 2),
-             "--gradient_accumulation_steps", str(gas * 2)],
-            _less_activations(now, 0.5, a), d.step_s + extra, f"{_mib(a / 2)} of activations")  # fmt: skip
-
-
 def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
     per_node = budget.gpus_per_node or d.ranks_per_node
     if per_node < 2 or (d.config.get("tp_size") or 1) > 1:
         return
     k = 2
     split = ("params", "grads", "master_weights", "optimizer_states")
-    objects = _scaled(now, **dict.fromkeys(split, 1 / k))
+    objects = scaled(now, **dict.fromkeys(split, 1 / k))
     layers = d.model.get("num_hidden_layers") or d.model.get("units") or 1
-    tokens = _tokens_per_rank(d) / max(1, d.micro_batches)
-    hidden_wide = layers * tokens * (d.model.get("hidden_size") or 0) * _dtype_bytes(d)
+    tokens = tokens_per_rank(d) / max(1, d.micro_batches)
+    hidden_wide = layers * tokens * (d.model.get("hidden_size") or 0) * dtype_bytes(d)
     a = d.activations_peak
     if a:
         # The residual stream stays whole on every rank: each decoder layer's two norms keep
         # their input and their output (4 hidden-wide values per token), plus the final norm's;
         # attention heads and the MLP's intermediate activations are split k ways.
         whole = hidden_wide * (4 + 2 / layers)
-        objects = _less_activations(objects, (1 - min(1.0, whole / a)) * (1 - 1 / k), a)
+        objects = less_activations(objects, (1 - min(1.0, whole / a)) * (1 - 1 / k), a)
     else:
-        objects = _scaled(objects, activations=1 / k)
+        objects = scaled(objects, activations=1 / k)
     # k ranks now share each micro-batch: k times the accumulation keeps the effective batch,
     # and each rank computes 1/k of every matrix product for k times the micro-batches. Each
     # layer all-reduces two hidden-wide outputs in forward and two input gradients in backward.
@@ -311,7 +234,7 @@ def _tensor_parallel(d: Diagnosis, now: dict, budget: Budget, add) -> None:
         ["--zero_tp_size", str(k), "--gradient_accumulation_steps", str(k * d.micro_batches)],
         objects, d.step_s + payload / (rate * 1e9),
         f"{(sum(now.values()) - sum(objects.values())) / 2**20:.1f} MiB of one rank's share",
-        [f"{_mib(payload)} of activations all-reduced inside the node per step"])  # fmt: skip
+        [f"{mib(payload)} of activations all-reduced inside the node per step"])  # fmt: skip
 
 
 def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:
@@ -321,7 +244,7 @@ def _zeropp(d: Diagnosis, now: dict, stage: int, budget: Budget, add) -> None:
     on = d.config.get("quantized_weights") or d.config.get("quantized_gradients")
     if nodes < 2 or not inter or stage != 3 or on:
         return
-    b = _dtype_bytes(d)
+    b = dtype_bytes(d)
     gather, reduce = sent.get("inter_node.all_gather", 0), sent.get("inter_node.reduce_scatter", 0)
     rest = inter - gather - reduce
     # qwZ: INT8 + a scale per block; hpZ: the backward gather stays in the node (half of them).

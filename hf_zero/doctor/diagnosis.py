@@ -17,7 +17,9 @@ KIND_NAMES = {
     "grads": "gradients",
     "master_weights": "fp32 master weights",
     "optimizer_states": "optimizer state",
-    "activations": "activations",
+    "activations": "other activations",
+    "mlp_activations": "MLP activations",
+    "logits": "logits (the head and its loss)",
     "secondary_params": "hpZ secondary shards",
     "quantized_params": "quantized frozen weights",
     "host_params": "parameters (host)",
@@ -64,11 +66,17 @@ class Diagnosis:
     config: dict[str, Any]
     model: dict[str, Any]
     activations_peak: int
+    """What autograd held for backward at its height in the step (every part)."""
+    activation_peaks: dict[str, int] = field(default_factory=dict)
+    """Each part's own height (``activations``, ``mlp_activations``, ``logits``)."""
     device: str = "cpu"
     micro_batch: int | None = None
     """Sequences per forward, as the recorded steps saw them."""
     micro_batches: int = 1
     """Forwards per optimizer step (gradient accumulation)."""
+    tokens_per_step: float = 0.0
+    """Tokens every data-parallel replica together trained on in one optimizer step (0: not
+    recorded; then ``tokens_per_s * step_s``)."""
     timeline: list[dict] = field(default_factory=list)
     """The median step's samples, each with its ``makeup``."""
     moments: list[dict[str, int]] = field(default_factory=list)
@@ -111,7 +119,11 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
     walls = [s["wall_s"] for s in steps]
     median = steps[walls.index(statistics.median_low(walls))]
     tokens = sum(statistics.median(s["tokens_per_s"] for s in p["steps"]) for p in profiles)
-    tokens /= profile["config"].get("tp_size") or 1
+    # The ranks of a tensor- or sequence-parallel group each count their replica's tokens.
+    tokens /= (profile["config"].get("tp_size") or 1) * (profile["config"].get("sp_size") or 1)
+    per_step = sum(p["steps"][0].get("tokens", 0) for p in profiles) / (
+        (profile["config"].get("tp_size") or 1) * (profile["config"].get("sp_size") or 1)
+    )
     return Diagnosis(
         rank=profile["rank"],
         step=step["step"],
@@ -128,9 +140,14 @@ def diagnose(profiles: list[dict]) -> Diagnosis:
         config=profile["config"],
         model=profile["model"],
         activations_peak=max(s["activation_peak"] for s in steps),
+        activation_peaks={
+            part: max(s.get("activation_peaks", {}).get(part, 0) for s in steps)
+            for part in {k for s in steps for k in s.get("activation_peaks", {})}
+        },
         device=profile["device"],
         micro_batch=median.get("micro_batch"),
         micro_batches=median.get("micro_batches") or 1,
+        tokens_per_step=per_step,
         timeline=[{**sa, "makeup": _makeup(profile, median, sa)} for sa in median["timeline"]],
         moments=[_makeup(profile, st, sa) for st in steps for sa in st["timeline"]],
     )

@@ -7,7 +7,8 @@ For each, the profiler keeps:
 * a **timeline** of memory samples, one at every phase boundary: each unit's forward and
   backward (entered, left), each collective the engine issues (a bucket's reduction, a unit's
   gather), the optimizer step. A sample holds the bytes of every object `memory_report()` counts,
-  the **activations** autograd holds for backward (`SavedTensorMeter`), and what the OS (RSS)
+  the **activations** autograd holds for backward (`SavedTensorMeter`: the head's ``logits``
+  and their loss, the MLPs' ``mlp_activations`` and the rest apart), and what the OS (RSS)
   or the device allocator says is in use. The process's footprint before the first step, less
   the model states (interpreter, libraries, what the build kept) is **runtime**; what neither
   explains is the **allocator cache** where glibc tells (free bytes malloc keeps beyond those
@@ -38,8 +39,9 @@ from typing import Any
 import torch
 
 from hf_zero.observe import clock
-from hf_zero.profiling.activations import SavedTensorMeter
+from hf_zero.profiling.activations import REST, SavedTensorMeter
 from hf_zero.profiling.process_memory import PeakWatch, measured_bytes, pooled, reset_peak
+from hf_zero.sequence import causal_lm
 from hf_zero.sharding.stage3.units import find_units, true_numel
 
 logger = logging.getLogger(__name__)
@@ -48,10 +50,13 @@ ENV_DIR = "HF_ZERO_PROFILE_DIR"
 ENV_STEPS = "HF_ZERO_PROFILE_STEPS"
 ENV_EXIT = "HF_ZERO_PROFILE_EXIT"
 TOTALS = ("total", "host_total", "nvme_total")
+PARTS = {REST: "activations", "mlp": "mlp_activations", "logits": "logits"}
+"""The meter's parts, as the profile's objects call them."""
 PROFILED_SETTINGS = (
     "stage", "precision", "offload_optimizer", "offload_param", "quantized_weights",
     "hpz_partition_size", "quantized_gradients", "quantized_nontrainable_weights", "tp_size",
-    "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "sp_size", "tiled_logits",
+    "tiled_mlp",
 )  # fmt: skip
 """The settings a profile records (what the doctor's recommendations start from)."""
 
@@ -99,6 +104,32 @@ class Profiler:
         for name, module in find_units(engine.module)[1:]:
             self._handles.append(module.register_forward_pre_hook(self._unit_pre(name)))
             self._handles.append(module.register_forward_hook(self._unit_post(name)))
+        self._label_parts(engine.module)
+
+    def _label_parts(self, model: torch.nn.Module) -> None:
+        """Count what the MLPs save as ``mlp``, and from the head on (its output, the loss) as
+        ``logits``: the model's forward ends with the loss, so the part lasts until it ends."""
+        for name, module in model.named_modules():
+            if name.split(".")[-1] == "mlp":
+                self._handles.append(module.register_forward_pre_hook(self._part("mlp")))
+                self._handles.append(module.register_forward_hook(self._part(REST)))
+        try:
+            head = causal_lm(model).get_output_embeddings()
+        except ValueError:
+            return
+        if head is not None:
+            self._handles.append(head.register_forward_pre_hook(self._part("logits")))
+            self._handles.append(head.register_forward_hook(self._hold_logits))
+
+    def _part(self, part: str):
+        def hook(module, args, output=None):
+            self.meter.part = part
+
+        return hook
+
+    def _hold_logits(self, module, args, output) -> None:
+        if self.meter.counting and torch.is_tensor(output):
+            self.meter.hold(output, "logits")
 
     @property
     def recording(self) -> bool:
@@ -115,12 +146,14 @@ class Profiler:
             self.current["tokens"] += ids.numel()
             self.current["micro_batch"] = ids.shape[0] if ids.dim() > 1 else 1
             self.current["micro_batches"] += 1
+        self.meter.part = REST
         self.meter.enter()
         self.sample("forward")
 
     def _root_post(self, module, args, output) -> None:
         if self.current is not None and self.meter.counting:
             self.meter.exit()
+            self.meter.part = REST
             self.sample("forward done")
 
     def _unit_pre(self, name: str):
@@ -164,7 +197,9 @@ class Profiler:
         if self.current is None:
             return
         objects = self._held()
-        objects["activations"] = self.meter.bytes
+        objects["activations"] = 0
+        for part, nbytes in self.meter.by_part.items():
+            objects[PARTS[part]] = nbytes
         measured = measured_bytes(self.device)
         self.current["timeline"].append(
             {
@@ -242,6 +277,7 @@ class Profiler:
             runtime_bytes=self.runtime,
             runtime_allocator_free=self.runtime_allocator_free,
             activation_peak=self.meter.peak,
+            activation_peaks={PARTS[k]: v for k, v in self.meter.peak_by_part.items()},
         )
         del cur["comm_before"], cur["start"]
         self.records.append(cur)
@@ -338,6 +374,11 @@ def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
         "parameters": sum(true_numel(p) for p in model.parameters()),
         "trainable": sum(true_numel(p) for p in model.parameters() if p.requires_grad),
         "units": len(units) - 1,
-        "hidden_size": getattr(config, "hidden_size", None),
-        "num_hidden_layers": getattr(config, "num_hidden_layers", None),
-    }
+        **{
+            key: getattr(config, key, None)
+            for key in (
+                "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                "num_attention_heads", "num_key_value_heads",
+            )
+        },
+    }  # fmt: skip

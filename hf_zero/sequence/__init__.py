@@ -24,7 +24,7 @@ from hf_zero.comm.topology import Topology
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.sequence import tiles, ulysses
 from hf_zero.sequence.offload import offload_checkpoints
-from hf_zero.sequence.shards import IGNORE, SequenceShards, sum_over_group
+from hf_zero.sequence.shards import IGNORE, SequenceShards, gather_sequence, sum_over_group
 
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """Config attributes of models whose head output is changed before the loss (tiling skips the
@@ -107,24 +107,25 @@ class CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         kwargs.update(zip(self._names, args))
+        fused = bool(kwargs.get("fused_lm_head"))
         if self.shards is not None:
-            self._refuse_outside_losses(kwargs)
             kwargs = self.shards.split(kwargs, self._cached(kwargs))
         out = self._tiled_forward(kwargs) if self._tile(kwargs) else self.original(**kwargs)
         if self.shards is not None and getattr(out, "loss", None) is not None:
             out.loss = sum_over_group(out.loss, self.shards.group, self.shards.comm)
+        if self.shards is not None and fused:
+            self._join_per_token(out, kwargs["position_ids"])
         return out
 
-    def _refuse_outside_losses(self, kwargs: dict) -> None:
-        # TRL's fused LM head hands back per-token log-probabilities and its trainer sums them
-        # itself: on one slice that is 1/sp of the loss and of the gradient, silently.
-        if kwargs.get("fused_lm_head") and torch.is_grad_enabled():
-            raise NotImplementedError(
-                "hf_zero: with sp_size > 1 the loss must be the model's own (labels passed to "
-                "it); TRL's fused_lm_head computes it outside the model from each rank's slice, "
-                "which hf_zero cannot yet sum over the sequence-parallel group. Train without "
-                "sp_size, or with a trainer that uses the model's loss"
-            )
+    def _join_per_token(self, out, positions: torch.Tensor) -> None:
+        """TRL's fused LM head returns per-token log-probabilities (and metrics) that its
+        trainer sums into the loss itself, outside the model: each is joined over the group, so
+        that sum is the whole sequence's on every rank, with the gradient `gather_sequence`
+        gives back."""
+        shape = positions.shape[:2]
+        for name, value in list(out.items()):
+            if name != "loss" and torch.is_tensor(value) and value.shape[:2] == shape:
+                out[name] = gather_sequence(value, self.shards.group, self.shards.comm)
 
     def describe(self) -> list[str]:
         """What is on, for the engine's start line."""

@@ -138,3 +138,32 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.size, None, None
+
+
+def gather_sequence(piece: torch.Tensor, group: Group, comm: Collectives) -> torch.Tensor:
+    """Every rank's slice of a per-token tensor (batch x slice) joined along the sequence, on
+    every rank of ``group``. Backward hands each rank the group's summed gradient of its slice:
+    every rank computes the same loss from the whole, so that sum is the group size times one
+    rank's, which ZeRO's average over data x sequence parallel ranks makes the data-parallel
+    mean (as `sum_over_group` does for the model's own loss)."""
+    return _GatherSequence.apply(piece, group, comm)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, piece, group, comm):
+        ctx.group, ctx.comm, ctx.index = group, comm, group.rank_of(dist.get_rank())
+        # Gathered along dim 0 (rank order), then each rank's block put back in its place.
+        flat = piece.detach().contiguous()
+        flat = flat.to(torch.uint8) if flat.dtype == torch.bool else flat  # gloo sends bytes
+        whole = flat.new_empty((group.size, *flat.shape))
+        comm.all_gather(whole.view(-1), flat.view(-1), group)
+        whole = whole.movedim(0, 1).reshape(flat.shape[0], -1, *flat.shape[2:])
+        return whole.to(piece.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        ctx.comm.all_reduce(total, ctx.group)
+        width = total.shape[1] // ctx.group.size
+        return total[:, ctx.index * width : (ctx.index + 1) * width], None, None
