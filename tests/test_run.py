@@ -40,6 +40,25 @@ def _launch(args: list[str], env: dict | None = None, check: bool = True):
     return done
 
 
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _launch_reference(args: list[str], out: Path, env: dict | None = None) -> None:
+    """The plain torch run a test compares with (no hf_zero). Such a script, like every Trainer
+    script, never calls ``destroy_process_group()``, and torch then sometimes aborts at
+    interpreter exit, after the script finished (gloo's threads outlive Python: SIGABRT and
+    "terminate called without an active exception"; hf_zero's own runs destroy their groups at
+    exit, `hf_zero.comm.teardown`). That abort is accepted here, only after every rank wrote its
+    report; any other failure fails the test."""
+    done = _launch(args, env=env, check=False)
+    if done.returncode == 0:
+        return
+    reports = sorted(out.glob("report_rank*.json"))
+    assert TORCH_EXIT_ABORT in done.stderr and len(reports) == 2, (
+        done.stdout[-2000:] + done.stderr[-5000:]
+    )
+
+
 def _report(out: Path, trained_in: torch.dtype | None = None) -> dict:
     """The script's report, plus how far the saved model's logits are from the ones it printed
     (the saved fp32 master weights cast to ``trained_in`` first, when the run trained in it)."""
@@ -118,7 +137,9 @@ def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
         assert "hf_zero: stage 2 over 2 data-parallel ranks, bf16" in done.stderr, done.stderr
     # Saved as the same script saves under plain DDP (autocast over fp32 weights): fp32.
     ddp = tmp_path / "ddp"
-    _launch([SCRIPT, "--bf16", "--use_cpu", "true", "--output_dir", str(ddp), *TRAIN_ARGS])
+    _launch_reference(
+        [SCRIPT, "--bf16", "--use_cpu", "true", "--output_dir", str(ddp), *TRAIN_ARGS], ddp
+    )
     assert _saved_dtypes(tmp_path / "out0") == _saved_dtypes(ddp) == ({"F32"}, "float32")
 
 
@@ -137,7 +158,7 @@ def test_the_stock_trainer_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tmp
     step's loss equal to the plain run's (torch DDP), and a saved model that reloads to the
     logits the script saw."""
     ddp, zero = tmp_path / "ddp", tmp_path / "zero"
-    _launch([SCRIPT, "--output_dir", str(ddp), *TRAIN_ARGS, "--use_cpu", "true"])
+    _launch_reference([SCRIPT, "--output_dir", str(ddp), *TRAIN_ARGS, "--use_cpu", "true"], ddp)
     plain = _report(ddp)
     assert plain["mro"][:2] == ["Trainer", "object"] and not plain["hf_zero_imported"]
     assert plain["sizes"][SHARDED] == 64 * 64 and plain["reloaded_diff"] < 1e-5
@@ -165,7 +186,7 @@ def test_pipeline_stages_under_hf_zero_run_equal_plain_ddp(tmp_path):
     the saved model reloads to its logits."""
     ddp, pp = tmp_path / "ddp", tmp_path / "pp"
     args = [*TRAIN_ARGS, "--gradient_accumulation_steps", "2"]
-    _launch([SCRIPT, "--output_dir", str(ddp), *args, "--use_cpu", "true"])
+    _launch_reference([SCRIPT, "--output_dir", str(ddp), *args, "--use_cpu", "true"], ddp)
     flags = ["--pp_size", "2", "--zero_stage", "1"]
     done = _launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp),
                     *args, *flags])  # fmt: skip
@@ -232,7 +253,9 @@ def test_trl_qlora_under_hf_zero_run_matches_its_own_ddp_run(tmp_path):
     AVX512-BF16 the same evaluation repacks its base, and its losses then drift (5e-3 by the
     sixth step, measured), so the DDP reference does not evaluate first."""
     args = [SCRIPT, *TRL_ARGS, "--lora", "--qlora", "nf4", *TRAIN_ARGS]
-    _launch([*args, "--output_dir", str(tmp_path / "ddp"), "--use_cpu", "true"])
+    _launch_reference(
+        [*args, "--output_dir", str(tmp_path / "ddp"), "--use_cpu", "true"], tmp_path / "ddp"
+    )
     losses = {"ddp": _losses(_reports(tmp_path / "ddp")[0])}
     args.insert(-len(TRAIN_ARGS), "--evaluate_first")
     for stage in ("0", "3"):
