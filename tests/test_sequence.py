@@ -165,6 +165,28 @@ def test_sp4_and_sp2_dp2_match_one_process():
     _check(run_distributed(_sp_matches_one_process, 4, (2, cases), timeout=300))
 
 
+def _evaluation_sees_whole_logits() -> tuple[float, float, tuple]:
+    """Without gradients (evaluation, metrics) every rank gets the whole sequence's logits,
+    the padding that made sp divide the length dropped."""
+    batch = _batches("padded", 1, length=11)[0][0]
+    reference = BUILDERS["tiny"]().eval()
+    with torch.no_grad():
+        expected = reference(**batch)
+    model = BUILDERS["tiny"]()
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=3, sp_size=2)
+    engine.eval()
+    with torch.no_grad():
+        out = engine(**{k: v.clone() for k, v in batch.items()})
+    diff = (out.logits - expected.logits).abs().max().item()
+    return diff, abs(out.loss.item() / expected.loss.item() - 1), tuple(out.logits.shape)
+
+
+def test_evaluation_under_sp_returns_the_whole_logits():
+    for diff, loss_diff, shape in run_distributed(_evaluation_sees_whole_logits, 2):
+        assert shape == (2, 11, MODEL["vocab_size"]), shape
+        assert diff < TOL and loss_diff < TOL, (diff, loss_diff)
+
+
 def _rows_apart(steps: list[list[dict]]) -> list[list[dict]]:
     """The same steps with each row of the one batch on its own data-parallel rank."""
     return [

@@ -113,19 +113,21 @@ class CausalLMForward:
         out = self._tiled_forward(kwargs) if self._tile(kwargs) else self.original(**kwargs)
         if self.shards is not None and getattr(out, "loss", None) is not None:
             out.loss = sum_over_group(out.loss, self.shards.group, self.shards.comm)
-        if self.shards is not None and fused:
+        if self.shards is not None and (fused or not torch.is_grad_enabled()):
             self._join_per_token(out, kwargs["position_ids"])
         return out
 
     def _join_per_token(self, out, positions: torch.Tensor) -> None:
-        """TRL's fused LM head returns per-token log-probabilities (and metrics) that its
-        trainer sums into the loss itself, outside the model: each is joined over the group, so
-        that sum is the whole sequence's on every rank, with the gradient `gather_sequence`
-        gives back."""
-        shape = positions.shape[:2]
+        """Each per-token output joined over the group (the whole sequence on every rank).
+        TRL's fused LM head returns per-token log-probabilities (and metrics) that its trainer
+        sums into the loss itself, outside the model: joined, that sum is the whole sequence's,
+        with the gradient `gather_sequence` gives back. Without gradients (evaluation) the
+        logits are joined too, for the metrics computed from them; a training forward keeps
+        its slice (the whole logits on every rank are what SP is there to avoid)."""
+        shape, shards = positions.shape[:2], self.shards
         for name, value in list(out.items()):
             if name != "loss" and torch.is_tensor(value) and value.shape[:2] == shape:
-                out[name] = gather_sequence(value, self.shards.group, self.shards.comm)
+                out[name] = gather_sequence(value, shards.group, shards.comm, shards.length)
 
     def describe(self) -> list[str]:
         """What is on, for the engine's start line."""

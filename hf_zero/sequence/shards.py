@@ -40,6 +40,8 @@ class SequenceShards:
         self._attention_mask: torch.Tensor | None = None
         self._packed: torch.Tensor | None = None
         self._length = 0
+        self.length = 0
+        """The current batch's sequence length before padding to a multiple of sp."""
         self._plain = True
         self._masks: dict = {}
         self._said: set[str] = set()
@@ -77,7 +79,7 @@ class SequenceShards:
                     widths = (0, 0, 0, pad) if name == "inputs_embeds" else (0, pad)
                     inputs[name] = F.pad(inputs[name], widths, value=value)
         self._attention_mask, self._packed, self._masks = attention_mask, None, {}
-        self._length = length + pad
+        self._length, self.length = length + pad, length
         if attention_mask is None and masks.is_packed(positions):
             # As transformers: packed rows are kept apart only when no KV cache is made.
             if cached:
@@ -140,13 +142,17 @@ class _SumOverGroup(torch.autograd.Function):
         return grad * ctx.size, None, None
 
 
-def gather_sequence(piece: torch.Tensor, group: Group, comm: Collectives) -> torch.Tensor:
+def gather_sequence(
+    piece: torch.Tensor, group: Group, comm: Collectives, length: int | None = None
+) -> torch.Tensor:
     """Every rank's slice of a per-token tensor (batch x slice) joined along the sequence, on
     every rank of ``group``. Backward hands each rank the group's summed gradient of its slice:
     every rank computes the same loss from the whole, so that sum is the group size times one
     rank's, which ZeRO's average over data x sequence parallel ranks makes the data-parallel
-    mean (as `sum_over_group` does for the model's own loss)."""
-    return _GatherSequence.apply(piece, group, comm)
+    mean (as `sum_over_group` does for the model's own loss). ``length``: the first tokens
+    kept (the padding that made sp divide the sequence dropped)."""
+    whole = _GatherSequence.apply(piece, group, comm)
+    return whole if length is None else whole[:, :length]
 
 
 class _GatherSequence(torch.autograd.Function):
