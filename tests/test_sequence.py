@@ -261,6 +261,36 @@ def test_tiled_logits_and_mlp_match_untiled(name):
             assert loss_diff < 1e-6 and param_diff < 1e-6, (label, loss_diff, param_diff)
 
 
+def _tiles_differ_across_ranks() -> list[tuple[str, float, float]]:
+    """Stage 3 with data-parallel ranks whose batches make different numbers of tiles (rank 0
+    16 tokens, rank 1 8; then rank 1 with its last tiles all ignored labels, which are
+    skipped): every rank still runs the same collectives."""
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    results = []
+    for kind in ("lengths", "ignored"):
+        ids = torch.randint(
+            0, MODEL["vocab_size"], (1, 16 if rank == 0 or kind == "ignored" else 8), generator=g
+        )
+        labels = ids.clone()
+        if kind == "ignored" and rank == 1:
+            labels[:, 6:] = -100
+        steps = [[dict(input_ids=ids, labels=labels)] * 2] * STEPS
+        plain = _train(BUILDERS["tiny"], steps, rank, stage=3, tiled_logits=False)
+        tiles = dict(logits_tile_tokens=4, tiled_mlp=True, mlp_tile_tokens=4)
+        tiled = _train(BUILDERS["tiny"], steps, rank, stage=3, tiled_logits=True, **tiles)
+        results.append(
+            (kind, max_loss_diff(tiled[0], plain[0]), max_param_diff(tiled[1], plain[1]))
+        )
+    return results
+
+
+def test_tiles_that_differ_across_ranks_match_untiled():
+    for rank_results in run_distributed(_tiles_differ_across_ranks, 2, timeout=300):
+        for label, loss_diff, param_diff in rank_results:
+            assert loss_diff < 1e-6 and param_diff < 1e-6, (label, loss_diff, param_diff)
+
+
 def test_sequence_settings_are_checked():
     with pytest.raises(ValueError, match="'sp_size' = 2 with 'tp_size' = 2"):
         ZeroConfig(sp_size=2, tp_size=2)
