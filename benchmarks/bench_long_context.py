@@ -31,12 +31,13 @@ hf_zero against DeepSpeed ALST (`long_context_rank_deepspeed.py`: its Ulysses SP
 tiled logits loss, checkpointing, ZeRO-3; the same model, batches, buckets and tiles), `compare`:
 at every length up to the shorter longest that either trained, both run, ``--repeats`` more
 pairs alternating (hf_zero, DeepSpeed) at the longest two, as other work shares the cores: the
-median of the pairwise tokens/s and peak ratios. The default set (`DEFAULT`) and budget take
-about an hour on 2 cores (4 ranks share them: their steps are the slow part); ``--configs full``
-adds every configuration at both rank counts. Writes ``--out/bench_long_context.json`` (every
-run, also as it goes: ``runs.json``) and a plot of peak RSS against sequence length per
-configuration (``.png``, where matplotlib imports); each run's output goes to ``--out/logs``.
-Timings are never asserted anywhere.
+median of the pairwise tokens/s and peak ratios (``--lengths``: no search, every configuration
+in turn at each length, ``--repeats`` rounds, the same ratios). The default set (`DEFAULT`) and
+budget take about an hour on 2 cores (4 ranks share them: their steps are the slow part);
+``--configs full`` adds every configuration at both rank counts. Writes
+``--out/bench_long_context.json`` (every run, also as it goes: ``runs.json``) and a plot of peak
+RSS against sequence length per configuration (``.png``, where matplotlib imports); each run's
+output goes to ``--out/logs``. Timings are never asserted anywhere.
 """
 
 from __future__ import annotations
@@ -324,7 +325,8 @@ def ratios(args: argparse.Namespace, ranks: int, names: tuple, lengths: list[int
         rows.append({
             "ranks": ranks, "seq": seq, "hf_zero": names[0], "deepspeed": names[1],
             "pairs": len(pairs),
-            "speed_ratio": statistics.median(x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs),
+            "speed_ratio": statistics.median(x["tokens_per_s"] / y["tokens_per_s"]
+                                             for x, y in pairs),
             "peak_ratio": statistics.median(x["peak"] / y["peak"] for x, y in pairs),
             "hf_tokens_per_s": statistics.median(x["tokens_per_s"] for x in a),
             "ds_tokens_per_s": statistics.median(y["tokens_per_s"] for y in b),
