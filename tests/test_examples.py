@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_reference_run_finished
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "recipes" / "examples"
@@ -33,8 +34,18 @@ def _run(script: str, out: Path, args: list[str], zero_stage: int | None) -> str
          *COMMON, *args, *tail],
         env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
+    if zero_stage is None:
+        assert_reference_run_finished(done, _trained(out))
+    else:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
     return done.stderr
+
+
+def _trained(out: Path) -> bool:
+    """Whether the run saved its state after training (``train()`` ends in collectives, so every
+    rank got there)."""
+    state = out / "trainer_state.json"
+    return state.exists() and "train_runtime" in state.read_text()
 
 
 def _logged(out: Path, *keys: str) -> list[tuple]:
