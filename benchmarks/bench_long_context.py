@@ -177,6 +177,7 @@ def run(args: argparse.Namespace, name: str, ranks: int, seq: int) -> dict:
     worker = "long_context_rank.py" if engine == "hf_zero" else "long_context_rank_deepspeed.py"
     flags = [*model_flags(args), "--seq", str(seq), "--sp", str(sp)]
     flags += ["--checkpointing"] * checkpointing + ["--tiled"] * tiled
+    flags += ["--unmap"] * (args.allocator == "unmap")
     stem = f"{name.replace(' ', '_').replace('+', '_')}.{ranks}.{seq}"
     log = args.out / "logs" / f"{stem}.{int(time.time())}.log"
     watcher = Watcher(int(args.budget_gib * GIB), args.run_timeout)
@@ -429,6 +430,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--repeats", type=int, default=1, help="more pairs at compared lengths")
     p.add_argument("--lengths", default="", help="no search: these lengths, interleaved")
+    p.add_argument(
+        "--allocator",
+        choices=("unmap", "default"),
+        default="unmap",
+        help="unmap: host_memory unmap (DeepSpeed: the same mallopt); default: glibc's",
+    )
     p.add_argument("--quick", action="store_true", help=f"a few minutes: {QUICK}")
     p.add_argument("--out", type=Path, default=HERE / "results")
     from long_context_rank import SHAPE_FLAGS

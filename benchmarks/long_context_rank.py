@@ -60,6 +60,7 @@ def parse(doc: str) -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--tiled", action="store_true", help="tiled logits and tiled MLP")
     p.add_argument("--reference", action="store_true", help="the loss without SP (one process)")
+    p.add_argument("--unmap", action="store_true", help="freed buffers >= 1 MiB leave at once")
     p.add_argument("--result", type=Path, required=True)
     return p.parse_args()
 
@@ -102,6 +103,15 @@ def tile_tokens(args: argparse.Namespace) -> int:
     """Tokens per logits tile on both engines: ``--logits-tile-tokens``, else what hf_zero's
     "auto" gives (64 MiB of fp32 logits, `hf_zero.sequence.tiles.LOGITS_TILE_BYTES`)."""
     return args.logits_tile_tokens or (64 << 20) // (4 * args.vocab)
+
+
+def unmap_large_frees() -> None:
+    """glibc: allocations of 1 MiB and more get their own mappings, returned to the OS when
+    freed (``mallopt(M_MMAP_THRESHOLD)``, what hf_zero's ``host_memory: unmap`` sets), for
+    DeepSpeed's worker, which is given the same allocator as hf_zero's at the same point."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
@@ -152,6 +162,7 @@ def train(args: argparse.Namespace) -> dict:
         tiled_logits=args.tiled,
         tiled_mlp=args.tiled,
         logits_tile_tokens=tile_tokens(args),
+        host_memory="unmap" if args.unmap else "release",
         train_micro_batch_size_per_gpu=1,
         **buckets(args),
     )

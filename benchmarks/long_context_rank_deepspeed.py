@@ -46,6 +46,7 @@ from long_context_rank import (
     sequence,
     tile_tokens,
     timed_steps,
+    unmap_large_frees,
 )
 
 
@@ -139,6 +140,8 @@ def train(args) -> dict:
     if args.sp > 1:
         config["sequence_parallel_size"] = args.sp
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.unmap:
+        unmap_large_frees()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     initialized = proc_status()["VmHWM"]
     replica = rank // args.sp

@@ -215,7 +215,10 @@ def test_unknown_keys_name_the_nearest_valid_one(source, match):
     ("values", "match"),
     [
         ({"stage": 5}, r"'stage' = 5 is not allowed; expected one of 0, 1, 2, 3"),
-        ({"host_memory": "keep"}, r"'host_memory' = 'keep' is not allowed.*'release', 'reuse'"),
+        (
+            {"host_memory": "keep"},
+            r"'host_memory' = 'keep' is not allowed.*'release', 'unmap', 'reuse'",
+        ),
         ({"precision": "fp8"}, r"'precision' = 'fp8' is not allowed"),
         ({"gradient_clipping": -1.0}, r"'gradient_clipping' = -1.0 must be a number >= 0"),
         ({"gradient_accumulation_steps": 0}, r"'gradient_accumulation_steps' = 0 must be an int"),

@@ -59,6 +59,24 @@ def test_fp32_matches_ddp(world_size, gas, checkpointing):
         assert r["param"] <= FP32_TOL, r
 
 
+def _freed_mib() -> float:
+    """How much of 64 MiB of freed 4 MiB buffers left the process at once (VmRSS). Every other
+    buffer of 32 is freed, so that no freed one joins the heap's top (which glibc trims); an
+    8 MiB buffer freed first raises glibc's dynamic mmap threshold above them, as a step's
+    large frees do."""
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    del_me = torch.ones(2 << 20)
+    del del_me
+    buffers = [torch.ones(1 << 20) for _ in range(32)]
+    full = rss()
+    del buffers[0::2]
+    return (full - rss()) / (1 << 20)
+
+
 def _host_memory_policies() -> dict:
     from hf_zero.storage import host_memory
 
@@ -67,18 +85,24 @@ def _host_memory_policies() -> dict:
     host_memory.trim = lambda: trims.append(1) or original()
     ref_losses, ref_params = train_ddp(STEPS, 1, CLIP)
     out = {}
-    for policy in ("release", "reuse"):  # mallopt is process-wide: "reuse" last
+    for policy in ("release", "unmap", "reuse"):  # mallopt is process-wide: "reuse" last
         trims.clear()
         losses, params, _ = train_zero(STEPS, 1, CLIP, 3, host_memory=policy, **ZERO3)
         out[policy] = (max_loss_diff(losses, ref_losses), max_param_diff(params, ref_params))
         out[policy + "_trims"] = len(trims)
+        out[policy + "_freed_mib"] = _freed_mib()
     return out
 
 
-def test_host_memory_reuse_skips_the_trim_and_changes_no_result():
+def test_host_memory_policies_change_no_result_and_unmap_frees_inside_the_step():
+    """``reuse`` skips the trim after each step; ``unmap`` returns each freed buffer of 1 MiB or
+    more to the OS at once, where ``release`` and ``reuse`` keep them until a trim."""
     for r in run_distributed(_host_memory_policies, 2):
         assert r["release_trims"] == STEPS and r["reuse_trims"] == 0, r
-        assert max(r["release"] + r["reuse"]) <= FP32_TOL, r
+        assert r["unmap_trims"] == STEPS + 1, r  # and once after the build
+        assert r["unmap_freed_mib"] >= 60, r
+        assert r["release_freed_mib"] <= 8 and r["reuse_freed_mib"] <= 8, r
+        assert max(r["release"] + r["unmap"] + r["reuse"]) <= FP32_TOL, r
 
 
 def test_bf16_matches_ddp_within_tolerance():

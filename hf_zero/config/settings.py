@@ -111,6 +111,13 @@ SETTINGS: tuple[Setting, ...] = (
         "with --gradient_checkpointing: each layer's saved inputs in host memory",
     ),
     Setting(
+        "host_memory",
+        str,
+        str,
+        "training on CPU: release (freed memory back after each step), unmap (each freed "
+        "buffer >= 1 MiB back at once: the lowest peak) or reuse (kept: faster)",
+    ),
+    Setting(
         "save_on_sigterm",
         bool,
         parse_bool,

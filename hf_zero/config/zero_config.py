@@ -109,7 +109,9 @@ class ZeroConfig:
     profile_dir: str = "hf_zero_profile"
     host_memory: str = "release"
     """Training on CPU: ``"release"`` gives freed memory back to the OS after each step (lower
-    RSS); ``"reuse"`` keeps it for the next step, skipping its page faults (faster)."""
+    RSS); ``"unmap"`` also gives back each freed buffer of 1 MiB or more at once, inside the
+    step (the lowest peak: long sequences); ``"reuse"`` keeps freed memory for the next step,
+    skipping its page faults (faster)."""
 
     # --- offload -----------------------------------------------------------------------------
     offload_optimizer: str = "none"
@@ -358,7 +360,7 @@ class ZeroConfig:
         one_of("communication_data_type", self.communication_data_type, COMM_DTYPES)
         one_of("offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
         one_of("offload_param", self.offload_param, OFFLOAD_DEVICES)
-        one_of("host_memory", self.host_memory, ("release", "reuse"))
+        one_of("host_memory", self.host_memory, ("release", "unmap", "reuse"))
         at_least("comm_timeout", self.comm_timeout, 1)
         at_least("stall_warning_seconds", self.stall_warning_seconds, 0)
         at_least("profile_steps", self.profile_steps, 1)

@@ -11,7 +11,11 @@ With ZeRO-Infinity's NVMe tiers the point is that the host holds only a working 
 `unmap_large_frees` goes further: allocations of 1 MiB and more are mapped on their own and
 returned to the OS the moment they are freed (measured at 332M parameters, 2 ranks: the RSS
 between phases fell from 0.9-1.6 GB to 0.37-0.58 GB per rank, which the trim after the step only
-reached at its end).
+reached at its end). ``host_memory: unmap`` asks for the same on any CPU run: at long sequences
+the activations and logits tiles freed during backward otherwise stay in the heap and set the
+peak (100M Llama, ZeRO-3, 4 ranks: checkpointing at 2,048 tokens peaked at 1,848 MiB a rank
+instead of 1,498; SP 4 with tiling at 4,096 tokens at 1,523 MiB instead of 1,086; measured with
+the same threshold set by ``MALLOC_MMAP_THRESHOLD_=1048576``).
 """
 
 from __future__ import annotations
@@ -75,28 +79,31 @@ def trim() -> bool:
 class HostMemoryPolicy:
     """When a CPU run returns freed host memory to the OS, chosen once per engine.
 
-    On a GPU the host holds little between steps and nothing here runs. On CPU: with NVMe tiers,
-    large frees are unmapped at once and the heap is trimmed after the build; otherwise the
-    config's ``host_memory`` decides between keeping freed memory for reuse (``reuse``) and
-    trimming after each stage-2/3 step (the sharded gradients freed there leave the process;
-    stages 0-1 keep their gradient buffers, and trimming their few transients would cost the
-    next step its page faults: stage 1 measured 1.09x DDP).
+    On a GPU the host holds little between steps and nothing here runs. On CPU the config's
+    ``host_memory`` decides: ``release`` trims the heap after each stage-2/3 step (the sharded
+    gradients freed there leave the process; stages 0-1 keep their gradient buffers, and
+    trimming their few transients would cost the next step its page faults: stage 1 measured
+    1.09x DDP); ``unmap`` also maps every allocation of 1 MiB and more on its own, so that what
+    is freed inside a step (activations, logits tiles) leaves at once rather than piling up in
+    the heap until the trim (long sequences: the peak RSS); ``reuse`` keeps freed memory for
+    the next step. NVMe tiers always unmap (the host holds a working set only).
     """
 
     def __init__(self, on_cpu: bool, setting: str, nvme: bool, stage: int) -> None:
-        self.on_cpu, self.nvme = on_cpu, nvme
-        self.reuse = setting == "reuse" and not nvme
+        self.on_cpu = on_cpu
+        self.unmap = on_cpu and (nvme or setting == "unmap")
+        self.reuse = on_cpu and setting == "reuse" and not nvme
         self.trim_after_step = on_cpu and stage >= 2 and not self.reuse
 
     def start(self) -> None:
         """Before the build: the allocator's settings for the whole run."""
-        if self.on_cpu and self.reuse:
+        if self.reuse:
             reuse_freed_memory()
-        if self.on_cpu and self.nvme:
-            unmap_large_frees()  # ZeRO-Infinity: the host holds a working set only
+        if self.unmap:
+            unmap_large_frees()
 
     def after_build(self) -> None:
-        if self.on_cpu and self.nvme:
+        if self.unmap:
             trim()  # what building the groups freed (the model's own tensors)
 
     def after_step(self) -> None:
