@@ -19,8 +19,7 @@ from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.numerics.precision import LossScaler
 from hf_zero.observe import clock
-from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
-from hf_zero.optim.streamed_step import streamed_step
+from hf_zero.optim.master_step import HostStep, master_step
 from hf_zero.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger(__name__)
@@ -157,14 +156,8 @@ class ShardedOptimizer:
         self.comm = comm.for_purpose("control")  # overflow flags and norms only
         self.dp_group = dp_group
         self.loss_scaler = loss_scaler
-        self.offload = any(g.offload for g in groups)
-        self.streamed = any(g.master_weights.location == "nvme" for g in groups)
-        """ZeRO-Infinity: master, gradient and state are streamed from swap files in tiles."""
-        self.fast_kernel = (
-            self.offload and supports_fast_step(optimizer) and not isinstance(optimizer, CPUAdam)
-            and fast_kernel
-        )  # fmt: skip
-        """Offload: the user's Adam/AdamW is stepped by torch's fused CPU kernel instead."""
+        self.master_step = master_step(optimizer, groups, fast_kernel, buffer_count)
+        """The step for where the masters live (device, host, swap files), chosen once."""
         fused = all(g.get("fused") for g in optimizer.param_groups)
         if self.fast_kernel and not fused and dp_group.rank_of(torch.distributed.get_rank()) == 0:
             # Visible, because the numbers change in the last bits (with fused=True, the user's
@@ -175,11 +168,6 @@ class ShardedOptimizer:
                 "'offload_optimizer_fast_kernel': false to run your optimizer's own step()",
                 type(optimizer).__name__,
             )
-        self._group_of_master = {id(g.master): g for g in groups}
-        self.overlap_copy_back = True
-        """Offload: copy each updated tile of master weights to the device while the CPU updates
-        the next (False: copy every shard after the whole step; benchmarks/bench_gpu_offload.py
-        times both)."""
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping, from the last clip (None if not computed)."""
         self.last_grad_norm_post_clip: float | None = None
@@ -188,11 +176,31 @@ class ShardedOptimizer:
         # Some optimizers (Adagrad) create state in __init__, and a user may have loaded state:
         # re-key it onto the master shards rather than orphan it.
         optimizer.state = shard_optimizer_state(optimizer.state, groups)
-        self.buffer_count = buffer_count
         for g in groups:
             g.master_weights.adopt_state(optimizer)
         for index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [g.master for g in groups if g.param_group_index == index]
+
+    @property
+    def offload(self) -> bool:
+        """The masters and the step are off the device (ZeRO-Offload, ZeRO-Infinity)."""
+        return self.master_step.offload
+
+    @property
+    def fast_kernel(self) -> bool:
+        """Offload: the user's Adam/AdamW is stepped by torch's fused CPU kernel instead."""
+        return self.master_step.fast_kernel
+
+    @property
+    def overlap_copy_back(self) -> bool:
+        """Offload: each updated tile is copied to the device while the CPU updates the next."""
+        return getattr(self.master_step, "overlap_copy_back", False)
+
+    @overlap_copy_back.setter
+    def overlap_copy_back(self, on: bool) -> None:
+        if not isinstance(self.master_step, HostStep):
+            raise ValueError("hf_zero: overlap_copy_back applies to offload_optimizer: cpu only")
+        self.master_step.overlap_copy_back = on
 
     # --- per-step gradient preparation -------------------------------------------------------
     def prepare_grads(self) -> bool:
@@ -260,7 +268,7 @@ class ShardedOptimizer:
             self.clip_grad_norm_(gradient_clipping)
         clock.mark("optimizer step")
         with clock.phase("optimizer"):
-            self._optimizer_step()
+            self.master_step()
         clock.mark("optimizer step: master weights updated")
         works = [g.gather_params(async_op=True) for g in self.groups]
         for work in works:
@@ -269,59 +277,6 @@ class ShardedOptimizer:
         for group in self.groups:
             group.drop_staged()
         return True
-
-    def _optimizer_step(self) -> None:
-        """Step the user's optimizer; offloaded Adam/AdamW takes the tiled fused CPU path, and
-        each finished tile starts its copy back to the device while the next is updated."""
-        if not self.offload:
-            self._step_bucket_by_bucket()
-            return
-        if self.streamed:
-
-            def write_back(group: FlatParamGroup, start: int, end: int, values) -> None:
-                group.send_tile(start, end, values)
-
-            streamed_step(
-                self.optimizer, self.groups, self.fast_kernel, write_back,
-                buffer_count=self.buffer_count,
-            )  # fmt: skip
-            return
-
-        def copy_back(master: torch.Tensor, start: int, end: int) -> None:
-            self._group_of_master[id(master)].send_tile(start, end)
-
-        on_tile = copy_back if self.overlap_copy_back else None
-        if isinstance(self.optimizer, CPUAdam):
-            self.optimizer.on_tile = on_tile
-            self.optimizer.step()
-        elif self.fast_kernel:
-            adam_step(self.optimizer, on_tile=on_tile)
-        else:
-            self.optimizer.step()  # any other elementwise optimizer, untiled
-
-    def _step_bucket_by_bucket(self) -> None:
-        """Step one bucket at a time. 16-bit gradients: convert one bucket's to fp32, step it,
-        free it, then the next, so at most one bucket's fp32 gradient exists (DeepSpeed's stage
-        1-2 steps one param group at a time for the same reason). Any precision: an optimizer's
-        temporaries (foreach AdamW makes one the size of everything it steps) are one bucket's,
-        not the whole shard's. The optimizer's ``step()`` (and its hooks) runs once per bucket,
-        with ``param_groups`` narrowed to that bucket's master; elementwise optimizers compute
-        exactly what one call over all buckets would."""
-        optimizer, param_groups = self.optimizer, self.optimizer.param_groups
-        members = [group["params"] for group in param_groups]
-        try:
-            for g in self.groups:
-                if not g.grads.materialize():
-                    continue  # no gradient anywhere: skipped, as torch skips grad None
-                param_group = param_groups[g.param_group_index]
-                param_group["params"] = [g.master]
-                optimizer.param_groups = [param_group]
-                optimizer.step()
-                g.grads.release()
-        finally:
-            optimizer.param_groups = param_groups
-            for group, params in zip(param_groups, members):
-                group["params"] = params
 
     def end_step(self) -> None:
         self._grads_prepared = False

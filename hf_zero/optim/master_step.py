@@ -1,0 +1,139 @@
+"""How the user's optimizer steps the master shards: one kind per place the masters live.
+
+==============  ======================================================  =======================
+kind            the step                                                chosen when the masters
+==============  ======================================================  =======================
+`DeviceStep`    the optimizer's own ``step()``, one bucket at a time     are on the device
+`HostStep`      on the host, tile by tile (torch's fused CPU Adam or     are in host memory
+                `CPUAdam`), each tile copied back as the next is         (ZeRO-Offload)
+                updated
+`StreamedStep`  tiles streamed from swap files through a ring of         are in swap files
+                buffers, reads and writes overlapped with the update     (ZeRO-Infinity)
+==============  ======================================================  =======================
+
+`ShardedOptimizer` picks one at construction (`master_step`, from `MasterWeights.location`) and
+calls it; what differs by offload mode lives here, not in a branch of its step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
+from hf_zero.optim.streamed_step import streamed_step
+from hf_zero.sharding.flat_group import FlatParamGroup
+
+
+class MasterStep:
+    """Step ``optimizer`` (its ``param_groups`` already point at the groups' masters)."""
+
+    offload = True
+    """The masters, their gradients and the step are off the device (host or swap files)."""
+    fast_kernel = False
+    """The user's Adam/AdamW is stepped by torch's fused CPU kernel instead of its own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatParamGroup]) -> None:
+        self.optimizer, self.groups = optimizer, groups
+
+    def __call__(self) -> None:
+        raise NotImplementedError
+
+
+class DeviceStep(MasterStep):
+    """One bucket at a time. 16-bit gradients: one bucket's is converted to fp32, stepped and
+    freed before the next, so at most one bucket's fp32 gradient exists (DeepSpeed's stage 1-2
+    steps one param group at a time for the same reason). Any precision: an optimizer's
+    temporaries (foreach AdamW makes one the size of everything it steps) are one bucket's, not
+    the whole shard's. The optimizer's ``step()`` (and its hooks) runs once per bucket, with
+    ``param_groups`` narrowed to that bucket's master; elementwise optimizers compute exactly
+    what one call over all buckets would."""
+
+    offload = False
+
+    def __call__(self) -> None:
+        optimizer, param_groups = self.optimizer, self.optimizer.param_groups
+        members = [group["params"] for group in param_groups]
+        try:
+            for g in self.groups:
+                if not g.grads.materialize():
+                    continue  # no gradient anywhere: skipped, as torch skips grad None
+                param_group = param_groups[g.param_group_index]
+                param_group["params"] = [g.master]
+                optimizer.param_groups = [param_group]
+                optimizer.step()
+                g.grads.release()
+        finally:
+            optimizer.param_groups = param_groups
+            for group, params in zip(param_groups, members):
+                group["params"] = params
+
+
+class HostStep(MasterStep):
+    """ZeRO-Offload: Adam/AdamW tile by tile on the host (`CPUAdam`, or torch's fused CPU kernel
+    for the user's own when ``fast_kernel``), each finished tile's copy to the device started
+    while the next is updated; any other elementwise optimizer steps untiled, its shard copied
+    after."""
+
+    def __init__(self, optimizer, groups, fast_kernel: bool) -> None:
+        super().__init__(optimizer, groups)
+        self.fast_kernel = _fast_kernel(optimizer, fast_kernel)
+        self.overlap_copy_back = True
+        """Copy each updated tile while the CPU updates the next (False: every shard after the
+        whole step; benchmarks/bench_gpu_offload.py times both)."""
+        self._group_of_master = {id(g.master): g for g in groups}
+
+    def _copy_back(self, master: torch.Tensor, start: int, end: int) -> None:
+        self._group_of_master[id(master)].send_tile(start, end)
+
+    def __call__(self) -> None:
+        on_tile = self._copy_back if self.overlap_copy_back else None
+        if isinstance(self.optimizer, CPUAdam):
+            self.optimizer.on_tile = on_tile
+            self.optimizer.step()
+        elif self.fast_kernel:
+            adam_step(self.optimizer, on_tile=on_tile)
+        else:
+            self.optimizer.step()  # any other elementwise optimizer, untiled
+
+
+class StreamedStep(MasterStep):
+    """ZeRO-Infinity: master, gradient and state read from swap files a tile at a time through
+    ``buffer_count`` buffer sets, each updated tile sent to the parameters and written back
+    (`streamed_step`)."""
+
+    def __init__(self, optimizer, groups, fast_kernel: bool, buffer_count: int) -> None:
+        super().__init__(optimizer, groups)
+        self.fast_kernel = _fast_kernel(optimizer, fast_kernel)
+        self.buffer_count = buffer_count
+
+    def __call__(self) -> None:
+        def write_back(group: FlatParamGroup, start: int, end: int, values) -> None:
+            group.send_tile(start, end, values)
+
+        streamed_step(
+            self.optimizer, self.groups, self.fast_kernel, write_back,
+            buffer_count=self.buffer_count,
+        )  # fmt: skip
+
+
+def _fast_kernel(optimizer: torch.optim.Optimizer, wanted: bool) -> bool:
+    """Whether an offloaded step runs torch's fused CPU Adam kernel for the user's optimizer
+    (`CPUAdam` tiles its own)."""
+    return wanted and supports_fast_step(optimizer) and not isinstance(optimizer, CPUAdam)
+
+
+def master_step(
+    optimizer: torch.optim.Optimizer,
+    groups: list[FlatParamGroup],
+    fast_kernel: bool,
+    buffer_count: int,
+) -> MasterStep:
+    """The step for where ``groups``' masters live (`MasterWeights.location`); ``fast_kernel``
+    and ``buffer_count`` are the config's ``offload_optimizer_fast_kernel`` and
+    ``offload_optimizer_buffer_count``."""
+    locations = {g.master_weights.location for g in groups if g.master_weights is not None}
+    if "nvme" in locations:
+        return StreamedStep(optimizer, groups, fast_kernel, buffer_count)
+    if "host" in locations:
+        return HostStep(optimizer, groups, fast_kernel)
+    return DeviceStep(optimizer, groups)
