@@ -239,14 +239,18 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
         return
     gib = 2**30
     print(
-        f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host I/O GiB':>13} {'+ working set':>14} "
+        f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host GiB':>13} {'+ working set':>14} "
         f"{'disk GiB':>9}"
     )
-    for label, offload_param in (("optimizer", False), ("opt+param", True)):
+    rows = [("optimizer", False, 0), ("opt+param", True, 0)]
+    if args.max_in_cpu > 0:
+        rows.append((f"+ {args.max_in_cpu:.3g} cached", True, int(args.max_in_cpu)))
+    for label, offload_param, cached in rows:
         prefetch = int(0.9 * shape.hidden**2)  # stage3_prefetch_bucket_size: auto
         m = infinity_bytes(
-            shape, args.dp, args.precision, offload_param, prefetch_bucket_size=prefetch
-        )
+            shape, args.dp, args.precision, offload_param, prefetch_bucket_size=prefetch,
+            param_cache_numel=cached,
+        )  # fmt: skip
         print(
             f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "
             f"{m['working_set'] / gib:>14.2f} {m['nvme_total'] / gib:>9.2f}"
@@ -403,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["int8", "nf4", "fp4"],
         help="frozen weights quantized: MixZ++ INT8 shards (stage 3; the default), or NF4/FP4 "
         "(a bitsandbytes 4-bit base at every stage, sharded at stage 3; or MixZ++ nf4/fp4)",
+    )
+    p.add_argument(
+        "--max-in-cpu",
+        type=float,
+        default=0,
+        help="ZeRO-Infinity: parameter elements per rank cached in host memory "
+        "(offload_param_max_in_cpu; the NVMe rows add one with them)",
     )
     p.add_argument("--seq-len", type=_positive, default=2048)
     p.add_argument("--sp", type=_positive, default=1, help="sequence-parallel ranks (Ulysses)")

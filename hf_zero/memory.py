@@ -315,6 +315,7 @@ def infinity_bytes(
     param_buffer_count: int = 5,
     optimizer_buffer_count: int = 4,
     prefetch_bucket_size: int = 0,
+    param_cache_numel: int = 0,
 ) -> dict[str, float]:
     """ZeRO-Infinity per rank (stage 3, ``offload_optimizer: nvme``; ``offload_param: nvme``
     too with ``offload_param``): swap-file bytes by kind (``nvme_*``, as `memory_report()` names
@@ -323,7 +324,10 @@ def infinity_bytes(
     buffers at their fullest (``host_io_buffers``: the read-ahead of ``param_buffer_count``
     unit shards, and ``optimizer_buffer_count`` tile sets of master, gradient and two Adam
     moments in fp32). ``working_set`` adds stage 3's gathered units (`working_set_bytes`) and
-    the prefetch budget (``prefetch_bucket_size`` elements in the compute dtype)."""
+    the prefetch budget (``prefetch_bucket_size`` elements in the compute dtype).
+    ``param_cache_numel`` (``offload_param_max_in_cpu``): that many elements of the rank's
+    parameter shards kept in host memory too (``host_param_cache``, counted in the host column,
+    an upper bound: only whole shards are cached)."""
     from hf_zero.optim.streamed_step import DEFAULT_TILE
 
     P, N, b = float(shape.params), float(dp_size), BYTES[precision]
@@ -339,6 +343,9 @@ def infinity_bytes(
     read_ahead = param_buffer_count * b * unit_shard if offload_param else 0.0
     tiles = optimizer_buffer_count * min(DEFAULT_TILE, unit_shard) * 4 * 4
     report["host_io_buffers"] = read_ahead + tiles
+    cache = b * min(float(param_cache_numel), P / N) if offload_param else 0.0
+    report["host_param_cache"] = cache
+    report["host_io_buffers"] += cache
     # The reduce-scatter output of the reduction in flight (one unit's with reduce_bucket_size
     # `auto`, h^2 elements; more units' with a larger one) until it is written out.
     in_flight = b * unit_shard

@@ -161,6 +161,47 @@ def test_parameter_shards_are_read_ahead_in_the_traced_order(tmp_path):
         assert r["swap"]["read_bytes"] > 0 and r["swap"]["write_bytes"] > 0, r
 
 
+def _host_budget(nvme: str) -> dict:
+    plain_losses, plain_params, _ = train_zero(STEPS, GAS, CLIP, 3, **ZERO3)
+    out, total = {}, None
+    for share in (0.0, 0.5, 1.0):
+        budget = 0 if total is None else int(total * share)
+        cfg = _cfg("nvme", "none", nvme, offload_param_max_in_cpu=budget)
+        losses, params, engine = train_zero(STEPS, GAS, CLIP, 3, **cfg)
+        tiers = [g.tier for g in engine.groups + engine.frozen_groups if g.stage == 3]
+        total = sum(t.numel for t in tiers)
+        cached = [t for t in tiers if t.cached is not None]
+        out[share] = {
+            "equal_to_plain": losses == plain_losses
+            and all(torch.equal(params[k], plain_params[k]) for k in params),
+            "budget": budget,
+            "cached_numel": sum(t.numel for t in cached),
+            "fetches": sum(t.stats["reads"] for t in tiers),
+            "cache_hits": sum(t.stats["cache_hits"] for t in tiers),
+            "disk_read_bytes": engine.swaps["offload_param"].stats["read_bytes"],
+            "host_params": engine.memory_report()["host_params"],
+            "cached_bytes": sum(t.numel * t.itemsize for t in cached),
+        }
+        engine.close()
+    return out
+
+
+def test_a_host_budget_caches_parameter_shards_and_changes_no_result(tmp_path):
+    """``offload_param_max_in_cpu``: the first shards up to the budget stay in host memory,
+    gathers take them from there (never read from disk again), updates are written through;
+    the results equal plain stage 3 bit for bit at every budget."""
+    for r in run_distributed(_host_budget, 2, args=(str(tmp_path),)):
+        none, half, whole = r[0.0], r[0.5], r[1.0]
+        assert all(x["equal_to_plain"] for x in (none, half, whole)), r
+        assert none["cache_hits"] == none["cached_numel"] == 0 < none["disk_read_bytes"], none
+        assert 0 < half["cached_numel"] <= half["budget"] < whole["cached_numel"], r
+        assert 0 < half["cache_hits"] < half["fetches"], half
+        assert 0 < half["disk_read_bytes"] < none["disk_read_bytes"], r
+        assert whole["cache_hits"] == whole["fetches"] and whole["disk_read_bytes"] == 0, whole
+        for x in (half, whole):
+            assert x["host_params"] >= x["cached_bytes"] > 0, x
+
+
 def _segment(cfg: dict, start: int, stop: int, load: str | None, save: str | None) -> dict:
     from test_checkpoint import _rows
 

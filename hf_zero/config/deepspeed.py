@@ -246,11 +246,7 @@ KEYS: dict[str, Fate] = {
     "zero_optimization.offload_param.buffer_size": Fate(
         INHERENT, "read-ahead buffers are sized to each unit's shard, so any size fits"
     ),
-    "zero_optimization.offload_param.max_in_cpu": Fate(
-        NO_EFFECT,
-        "NVMe shards are never cached in CPU memory beyond the read-ahead buffers; use "
-        "`offload_param: {device: cpu}` to keep them all there",
-    ),
+    "zero_optimization.offload_param.max_in_cpu": _h("offload_param_max_in_cpu", 1000),
     "zero_optimization.offload_param.nvme_path": _h("offload_param_nvme_path", "/local_nvme"),
     "sequence_parallel_size": _h("sp_size", 2),  # DeepSpeed's Ulysses (ALST)
     # --- tensor parallelism -------------------------------------------------------------------

@@ -132,6 +132,11 @@ class ZeroConfig:
     """``offload_optimizer: nvme`` only: its own directory (default: ``nvme_path``)."""
     offload_param_buffer_count: int = 5
     """``offload_param: nvme``: units whose shards are read ahead of use, in the traced order."""
+    offload_param_max_in_cpu: int = 0
+    """``offload_param: nvme``: parameter elements of this rank's shards also kept in host
+    memory (the first units built, whole shards, up to this many), gathered from there and never
+    read back from disk; updates are written through to the files. 0: only the read-ahead
+    buffers (the smallest memory). DeepSpeed's ``offload_param.max_in_cpu`` (its default 1e9)."""
     offload_optimizer_buffer_count: int = 4
     """``offload_optimizer: nvme``: tiles of (master, gradient, state) in flight in the step."""
     nvme_io_threads: int = 4
@@ -386,9 +391,11 @@ class ZeroConfig:
                 "train_batch_size",
             ):
                 setattr(self, name, int_or_auto(name, value, minimum))
-        if isinstance(self.max_live_parameters, float) and self.max_live_parameters.is_integer():
-            self.max_live_parameters = int(self.max_live_parameters)  # DeepSpeed files write 1e9
-        at_least("max_live_parameters", self.max_live_parameters, 1)
+        for name, minimum in (("max_live_parameters", 1), ("offload_param_max_in_cpu", 0)):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, name, int(value))  # DeepSpeed files write 1e9
+            at_least(name, getattr(self, name), minimum)
         for name in ("native_collectives", "offload_optimizer_fast_kernel", "overlap_comm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(

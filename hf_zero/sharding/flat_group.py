@@ -64,6 +64,7 @@ from hf_zero.sharding.layout import FlatLayout
 from hf_zero.sharding.master import TILES_SENT, MasterWeights, master_weights
 from hf_zero.sharding.placement import Placement, ReplicatedParams, ShardedParams, WholeParams
 from hf_zero.sharding.tiers import PARAM_TIERS, QuantizedTier, Tier
+from hf_zero.sharding.tiers.nvme import NvmeParams
 from hf_zero.storage.swap import SwapSpace
 
 
@@ -71,7 +72,8 @@ class FlatParamGroup:
     """A bucket of same-dtype parameters from one optimizer param group (or frozen ones).
 
     ``param_tier`` (stage 3) names where the shard lives (`hf_zero.sharding.tiers.PARAM_TIERS`);
-    ``param_swap`` / ``optimizer_swap`` are the rank's swap spaces for the NVMe tiers.
+    ``param_swap`` (`NvmeParams`: swap space and host budget) and ``optimizer_swap`` (a swap
+    space) serve the NVMe tiers.
     """
 
     def __init__(
@@ -89,7 +91,7 @@ class FlatParamGroup:
         offload: bool = False,
         zeropp: ZeroPPSettings | None = None,
         param_tier: str = "none",
-        param_swap: SwapSpace | None = None,
+        param_swap: NvmeParams | None = None,
         optimizer_swap: SwapSpace | None = None,
         packed: bool = False,
     ) -> None:

@@ -25,6 +25,8 @@ from hf_zero.sharding.stage3.coordinator import Unit, assign_params_to_units, fi
 from hf_zero.sharding.stage3.partitioned_init import unshard
 from hf_zero.sharding.stage3.partitioned_load import slice_of, unshard_params
 from hf_zero.sharding.stage3.units import true_numel
+from hf_zero.sharding.tiers import NvmeParams
+from hf_zero.storage.host_budget import HostBudget
 from hf_zero.storage.swap import SwapSpace, check_nvme_path, open_space
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,11 @@ class GroupBuilder:
                 self.swaps[tier] = (
                     shared[0] if shared else open_space(root, topology.rank, config.nvme_io_threads)
                 )
+        self.nvme_params: NvmeParams | None = None
+        """``offload_param: nvme``: the swap space and host-memory budget its tiers share."""
+        if "offload_param" in self.swaps:
+            budget = HostBudget(config.offload_param_max_in_cpu)
+            self.nvme_params = NvmeParams(self.swaps["offload_param"], budget)
 
     def build(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:
         """The trainable groups, in the order their reductions launch."""
@@ -146,7 +153,7 @@ class GroupBuilder:
                 offload=pg_index is not None and self.config.offload_optimizer == "cpu",
                 zeropp=self.zeropp,
                 param_tier=self.config.offload_param if stage == 3 else "none",
-                param_swap=self.swaps.get("offload_param"),
+                param_swap=self.nvme_params,
                 optimizer_swap=self.swaps.get("offload_optimizer")
                 if pg_index is not None
                 else None,

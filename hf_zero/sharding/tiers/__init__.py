@@ -10,6 +10,8 @@ tier           ``offload_param``               the shard lives
 `DeviceTier`   ``none`` (plain ZeRO-3)         in device memory; gathers read it in place
 `HostTier`     ``cpu``                         in host memory (pinned on CUDA), copied per gather
 `NvmeTier`     ``nvme``                        in a swap file, read ahead in the traced order
+                                              (the first up to ``offload_param_max_in_cpu``
+                                              elements also cached in host memory)
 `QuantizedTier` MixZ++ frozen groups           as INT8 blocks (`Quantized`), for the whole run
 =============  ==============================  ==================================================
 
@@ -19,10 +21,18 @@ Adding a tier is one module here and one entry in `PARAM_TIERS`.
 from __future__ import annotations
 
 from hf_zero.sharding.tiers.device import DeviceTier, HostTier, Tier
-from hf_zero.sharding.tiers.nvme import NvmeTier
+from hf_zero.sharding.tiers.nvme import NvmeParams, NvmeTier
 from hf_zero.sharding.tiers.quantized import QuantizedTier
 
 PARAM_TIERS: dict[str, type[Tier]] = {"none": DeviceTier, "cpu": HostTier, "nvme": NvmeTier}
 """``offload_param.device`` -> tier class."""
 
-__all__ = ["PARAM_TIERS", "DeviceTier", "HostTier", "NvmeTier", "QuantizedTier", "Tier"]
+__all__ = [
+    "PARAM_TIERS",
+    "DeviceTier",
+    "HostTier",
+    "NvmeParams",
+    "NvmeTier",
+    "QuantizedTier",
+    "Tier",
+]

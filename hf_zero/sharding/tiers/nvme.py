@@ -1,49 +1,78 @@
-"""The shard in a swap file (``offload_param: nvme``, ZeRO-Infinity), read ahead on demand.
+"""The shard in a swap file (``offload_param: nvme``, ZeRO-Infinity), read ahead on demand, or
+also kept in host memory while the rank's budget allows (``offload_param_max_in_cpu``).
 
-Between gathers the shard's bytes are only on disk. `prefetch` starts reading them into an
+Between gathers an uncached shard's bytes are only on disk. `prefetch` starts reading them into an
 aligned host buffer on the swap space's I/O threads (the ZeRO-3 coordinator calls it for the next
 units of the traced order, ``offload_param.buffer_count`` of them); `fetch` waits for that read
 (or starts it) and hands the buffer to the gather, which frees it when done. Writes (the step's
 updated tiles) go out asynchronously; a later read of the same file waits for them first.
+
+A cached shard (the first ones built, up to the budget's elements: the model's first units) is
+gathered from memory and never read back; its updates are written into the cache and through to
+the file, so the file stays the shard's whole truth (checkpoints, resume) and the cache equals it.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
 from hf_zero.observe import clock
 from hf_zero.sharding.tiers.device import Tier
+from hf_zero.storage.host_budget import HostBudget
 from hf_zero.storage.swap import ALIGN, SwapSpace
 
 
+@dataclass
+class NvmeParams:
+    """What every `NvmeTier` of a rank shares: its swap space and its host-memory budget."""
+
+    space: SwapSpace
+    cache: HostBudget
+
+
 class NvmeTier(Tier):
-    """``context`` is the rank's `SwapSpace`."""
+    """``context`` is the rank's `NvmeParams`."""
 
     kind = "nvme_params"  # bytes on disk, not in memory
 
-    def __init__(self, values: torch.Tensor, device: torch.device, context: SwapSpace) -> None:
+    def __init__(self, values: torch.Tensor, device: torch.device, context: NvmeParams) -> None:
         self.device = device
-        self.swap = context
+        self.swap = context.space
         self.numel, self.dtype = values.numel(), values.dtype
         self.itemsize = values.element_size()
-        self.file = context.file("param", self.numel * self.itemsize)
+        self.file = self.swap.file("param", self.numel * self.itemsize)
         self._read: tuple[torch.Tensor, Future] | None = None
         self._writes: list[Future] = []
-        self.stats = {"reads": 0, "read_ahead_hits": 0}
-        """Shard reads for gathers, and how many of them had been started ahead (`prefetch`)."""
+        self.cached: torch.Tensor | None = None
+        """The shard in host memory (aligned, block-padded), when the budget had room for it."""
+        if context.cache.take(self.numel):
+            self.cached = self.swap.buffer(self.numel, self.dtype)
+        self._copied = None  # CUDA: the event after the last copy out of the cache
+        self.stats = {"reads": 0, "read_ahead_hits": 0, "cache_hits": 0}
+        """Shard fetches for gathers, how many of the disk reads had been started ahead
+        (`prefetch`), and how many came from the cache instead."""
         self.write_(values)
         self.flush()
 
     def prefetch(self) -> None:
-        if self._read is None:
+        if self._read is None and self.cached is None:
             self.flush()  # never read what an unfinished write is still changing
             buffer = self.swap.buffer(self.numel, self.dtype)
             self._read = (buffer, self.file.read_async(buffer))
 
     def fetch(self) -> torch.Tensor:
         self.stats["reads"] += 1
+        if self.cached is not None:
+            self.stats["cache_hits"] += 1
+            with clock.phase("copy"):
+                local = self.cached.to(self.device, non_blocking=True)  # CPU: the cache itself
+            if self.device.type == "cuda":
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            return local  # gathers only read their shard
         self.stats["read_ahead_hits"] += self._read is not None
         self.prefetch()
         (buffer, done), self._read = self._read, None
@@ -56,12 +85,21 @@ class NvmeTier(Tier):
         per_block = ALIGN // self.itemsize
         lo = start // per_block * per_block
         hi = min(-(-(start + values.numel()) // per_block) * per_block, self.numel)
-        buffer = self.swap.buffer(hi - lo, self.dtype)
-        if lo != start or hi != start + values.numel():
-            self.flush()
-            with clock.phase("disk_io"):
-                self.file.read(buffer, lo * self.itemsize)  # keep the rest of the edge blocks
-        buffer[start - lo : start - lo + values.numel()].copy_(values)
+        edges = lo != start or hi != start + values.numel()
+        if self.cached is not None:
+            if edges:
+                self.flush()  # an edge block may be in a write still in flight
+            if self._copied is not None:
+                self._copied.synchronize()  # the last gather's copy out of the cache is done
+            self.cached[start : start + values.numel()].copy_(values)
+            buffer = self.cached[lo:hi]  # aligned: the cache is, and lo is a whole block
+        else:
+            buffer = self.swap.buffer(hi - lo, self.dtype)
+            if edges:
+                self.flush()
+                with clock.phase("disk_io"):
+                    self.file.read(buffer, lo * self.itemsize)  # keep the rest of the edge blocks
+            buffer[start - lo : start - lo + values.numel()].copy_(values)
         self._writes.append(self.file.write_async(buffer, lo * self.itemsize))
         if not non_blocking:
             self.flush()
@@ -79,4 +117,5 @@ class NvmeTier(Tier):
 
     def held_bytes(self) -> dict[str, int]:
         resident = self.numel * self.itemsize if self._read is not None else 0
-        return {self.kind: self.file.nbytes, "host_params": resident}
+        cached = self.numel * self.itemsize if self.cached is not None else 0
+        return {self.kind: self.file.nbytes, "host_params": resident + cached}
