@@ -38,6 +38,11 @@ budget take about an hour on 2 cores (4 ranks share them: their steps are the sl
 ``--out/bench_long_context.json`` (every run, also as it goes: ``runs.json``) and a plot of peak
 RSS against sequence length per configuration (``.png``, where matplotlib imports); each run's
 output goes to ``--out/logs``. Timings are never asserted anywhere.
+
+``--allocator unmap`` (the default) gives both engines the same glibc setting: hf_zero's
+``host_memory: unmap`` and, for DeepSpeed, the same ``mallopt`` just before its ``initialize``
+(`long_context_rank.unmap_large_frees`); ``default`` leaves glibc's dynamic mmap threshold,
+under which the memory backward frees stays in the heap and sets the peak.
 """
 
 from __future__ import annotations
