@@ -64,10 +64,10 @@ def _freed_mib() -> float:
     buffer of 32 is freed, so that no freed one joins the heap's top (which glibc trims); an
     8 MiB buffer freed first raises glibc's dynamic mmap threshold above them, as a step's
     large frees do."""
+    from hf_zero.profiling.process_memory import measured_bytes
 
     def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
+        return measured_bytes(torch.device("cpu"), allocator=False)["rss"]
 
     del_me = torch.ones(2 << 20)
     del del_me

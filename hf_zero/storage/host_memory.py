@@ -90,7 +90,6 @@ class HostMemoryPolicy:
     """
 
     def __init__(self, on_cpu: bool, setting: str, nvme: bool, stage: int) -> None:
-        self.on_cpu = on_cpu
         self.unmap = on_cpu and (nvme or setting == "unmap")
         self.reuse = on_cpu and setting == "reuse" and not nvme
         self.trim_after_step = on_cpu and stage >= 2 and not self.reuse
