@@ -306,13 +306,28 @@ def test_inherent_and_inactive_keys_are_silent():
         ({"prescale_gradients": True}, r"'prescale_gradients' = True is not supported"),
         ({"amp": {"enabled": True}}, r"'amp' = .* use `fp16` or `bf16`"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, r"always fp32"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, r"partial offload"),
         ({"pipeline": {"partition": "type:LlamaDecoderLayer"}}, r"'pipeline.partition' = 'type:Llama.*allowed: 'parameters'"),
     ],
 )  # fmt: skip
 def test_refused_keys_name_key_value_and_why(ds, match):
     with pytest.raises(ValueError, match=match):
         ZeroConfig.load(ds)
+
+
+def test_partial_offload_ratio_is_read_and_checked():
+    cfg = ZeroConfig.load(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}
+    )
+    assert (cfg.offload_optimizer, cfg.offload_optimizer_ratio) == ("cpu", 0.3)
+    nvme = {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.3}
+    with pytest.raises(
+        ValueError, match=r"'offload_optimizer_ratio' = 0.3 needs 'offload_optimizer' = 'cpu'"
+    ):
+        ZeroConfig.load({"zero_optimization": {"stage": 3, "offload_optimizer": nvme}})
+    with pytest.raises(
+        ValueError, match=r"'offload_optimizer_ratio' = 1.5 must be a number from 0 to 1"
+    ):
+        ZeroConfig(stage=2, offload_optimizer="cpu", offload_optimizer_ratio=1.5).validate()
 
 
 def test_deepspeed_pipeline_section():
@@ -335,6 +350,8 @@ def test_every_honoured_deepspeed_key_sets_its_field():
         for section in reversed(sections):
             raw = {section: raw}
         raw.setdefault("zero_optimization", {}).setdefault("stage", 3)
+        if key == "zero_optimization.offload_optimizer.ratio":  # partial offload of a cpu tier
+            raw["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
         values = ds_config.from_deepspeed(raw)
         assert fate.detail in values, key
         if fate.detail not in ("precision", "tp_plan", "stage"):

@@ -202,6 +202,68 @@ def test_a_host_budget_caches_parameter_shards_and_changes_no_result(tmp_path):
             assert x["host_params"] >= x["cached_bytes"] > 0, x
 
 
+def _reuse(nvme: str) -> dict:
+    from helpers import batch
+
+    plain_losses, plain_params, _ = train_zero(STEPS, GAS, CLIP, 3, **ZERO3)
+    out = {}
+    unit_numel = None
+    for name, distance, live_units in (
+        ("off", 0, None),
+        ("all", 10**9, None),
+        ("bounded", 10**9, 2),
+    ):
+        # `live_units`: the bound in units (the root and the largest layers).
+        live = 10**9 if live_units is None else sum(sorted(unit_numel)[-live_units:])
+        cfg = _cfg("nvme", "none", nvme, max_reuse_distance=distance, max_live_parameters=live)
+        losses, params, engine = train_zero(STEPS, GAS, CLIP, 3, **cfg)
+        units = engine.coordinator.units
+        unit_numel = [u.numel for u in units]
+        tiers = [g.tier for g in engine.groups + engine.frozen_groups if g.stage == 3]
+        reads = sum(t.stats["reads"] for t in tiers)
+        gathers = engine.coordinator.stats["on_demand_gathers"]
+        gathers += engine.coordinator.stats["prefetch_hits"]
+        x = batch(torch.distributed.get_rank(), STEPS, 0)
+        loss = engine(input_ids=x, labels=x).loss  # one more step, measured
+        held = sum(u.numel for u in units if u.is_gathered)
+        engine.backward(loss)
+        engine.step()
+        out[name] = {
+            "equal_to_plain": losses == plain_losses
+            and all(torch.equal(params[k], plain_params[k]) for k in params),
+            "held_numel": held,
+            "live_bound": live,
+            "root_numel": units[0].numel,
+            "total_numel": sum(unit_numel),
+            "reads": sum(t.stats["reads"] for t in tiers) - reads,
+            "gathers": engine.coordinator.stats["on_demand_gathers"]
+            + engine.coordinator.stats["prefetch_hits"]
+            - gathers,
+            "shards": len(tiers),
+        }
+        engine.close()
+    return out
+
+
+def test_units_held_for_reuse_are_not_gathered_or_read_again_in_backward(tmp_path):
+    """``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``): a unit whose next use
+    comes soon enough stays gathered from its forward to its backward, within
+    ``max_live_parameters``; backward neither gathers nor reads its shard again; results equal
+    plain stage 3 bit for bit."""
+    for r in run_distributed(_reuse, 2, args=(str(tmp_path),)):
+        off, whole, bounded = r["off"], r["all"], r["bounded"]
+        assert all(x["equal_to_plain"] for x in r.values()), r
+        # Released after each forward: only the root is gathered when the forward ends.
+        assert off["held_numel"] == off["root_numel"], off
+        # Everything held: each unit gathered, and each shard read from disk, once per step.
+        assert whole["held_numel"] == whole["total_numel"], whole
+        assert whole["reads"] == whole["shards"] < off["reads"], r
+        assert whole["gathers"] < off["gathers"], r
+        # Bounded by max_live_parameters: some held, never more than the bound.
+        assert off["root_numel"] < bounded["held_numel"] <= bounded["live_bound"], bounded
+        assert whole["reads"] < bounded["reads"] < off["reads"], r
+
+
 def _segment(cfg: dict, start: int, stop: int, load: str | None, save: str | None) -> dict:
     from test_checkpoint import _rows
 

@@ -231,3 +231,56 @@ def test_copy_back_overlap_changes_no_value():
     tiled, whole = (run_distributed(_copy_back, 2, args=(o,)) for o in (True, False))
     for a, b in zip(tiled, whole):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _partial(stage: int) -> dict:
+    extra = dict(make_optimizer=fused_adamw, **(ZERO3 if stage == 3 else {}))
+    on_losses, on_params, _ = train_zero(STEPS, GAS, CLIP, stage, **extra)
+    full_losses, full_params, _ = train_zero(
+        STEPS, GAS, CLIP, stage, offload_optimizer="cpu", **extra
+    )
+    out = {}
+    for ratio in (0.0, 0.5):
+        losses, params, engine = train_zero(
+            STEPS, GAS, CLIP, stage, offload_optimizer="cpu", offload_optimizer_ratio=ratio,
+            **extra,
+        )  # fmt: skip
+        host = [g for g in engine.groups if g.master_weights.location == "host"]
+        report = engine.memory_report()
+        out[ratio] = {
+            "equal_to_on_device": losses == on_losses
+            and all(torch.equal(params[k], on_params[k]) for k in on_params),
+            "equal_to_full_offload": losses == full_losses
+            and all(torch.equal(params[k], full_params[k]) for k in full_params),
+            "host_buckets": len(host),
+            "buckets": len(engine.groups),
+            "host_share": sum(g.numel for g in host) / sum(g.numel for g in engine.groups),
+            "host_shard_bytes": 4 * sum(g.layout.shard_numel for g in host),
+            "device_shard_bytes": 4 * sum(g.layout.shard_numel for g in engine.groups)
+            - 4 * sum(g.layout.shard_numel for g in host),
+            "report": report,
+            "step": type(engine.optimizer.master_step).__name__,
+        }
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_partial_offload_equals_full_offload_and_none_exactly(stage):
+    """``offload_optimizer_ratio`` (DeepSpeed's ``offload_optimizer.ratio``): that share of the
+    buckets keeps its master, gradient and Adam state in host memory and is stepped there, the
+    rest on the device; the arithmetic is the same elementwise AdamW kernel everywhere, so the
+    results equal full offload and no offload bit for bit."""
+    for r in run_distributed(_partial, 2, args=(stage,)):
+        none, half = r[0.0], r[0.5]
+        assert none["equal_to_on_device"] and none["equal_to_full_offload"], none
+        assert half["equal_to_on_device"] and half["equal_to_full_offload"], half
+        assert none["host_buckets"] == 0 and none["step"] == "DeviceStep", none
+        assert 0 < half["host_buckets"] < half["buckets"] and half["step"] == "SplitStep", half
+        assert 0.25 <= half["host_share"] <= 0.75, half  # whole buckets, nearest to half
+        report = half["report"]
+        # The master shards by where they live (fp32 on device: the parameters themselves
+        # when stage < 3 aliases them, so only the host share is a copy to count).
+        assert report["host_master_weights"] == half["host_shard_bytes"], report
+        assert report["host_optimizer_states"] > 0 and report["optimizer_states"] > 0, report
+        host_moments = 2 * half["host_shard_bytes"]  # exp_avg, exp_avg_sq; plus step counters
+        assert host_moments <= report["host_optimizer_states"] <= host_moments + 64, report

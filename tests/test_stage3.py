@@ -406,14 +406,15 @@ def test_prefetch_follows_the_first_steps_trace():
         # Order checks: 3 unit entries and the end in forward, 3 units in backward; all waited
         # for at once while there is no agreed trace.
         assert steps[0] == {
-            "prefetch_hits": 0, "on_demand_gathers": 5, "checks": 7, "checks_waited": 7
+            "prefetch_hits": 0, "on_demand_gathers": 5, "held": 0, "checks": 7, "checks_waited": 7
         }  # fmt: skip
         # Later steps: both decoder layers arrive by prefetch in forward and in backward; only
         # the root (first in forward, still gathered at the start of backward) is on demand,
         # and its entry is the only check waited for at once (the others are read lazily).
         for later in steps[1:]:
             assert later == {
-                "prefetch_hits": 4, "on_demand_gathers": 1, "checks": 7, "checks_waited": 1
+                "prefetch_hits": 4, "on_demand_gathers": 1, "held": 0, "checks": 7,
+                "checks_waited": 1,
             }, later  # fmt: skip
 
 

@@ -136,6 +136,7 @@ KEYS: dict[str, Fate] = {
     "zero_optimization.stage3_prefetch_bucket_size": _h("prefetch_bucket_size", 1000),
     "zero_optimization.stage3_param_persistence_threshold": _h("param_persistence_threshold", 10),
     "zero_optimization.stage3_max_live_parameters": _h("max_live_parameters", 1000),
+    "zero_optimization.stage3_max_reuse_distance": _h("max_reuse_distance", 1000),
     "zero_optimization.zero_quantized_weights": _h("quantized_weights", True),
     "zero_optimization.zero_hpz_partition_size": _h("hpz_partition_size", 2),
     "zero_optimization.zero_quantized_gradients": _h("quantized_gradients", True),
@@ -179,11 +180,6 @@ KEYS: dict[str, Fate] = {
     "zero_optimization.sub_group_size": Fate(
         NO_EFFECT, "each bucket is its own optimizer sub-group; size with `reduce_bucket_size`"
     ),
-    "zero_optimization.stage3_max_reuse_distance": Fate(
-        NO_EFFECT,
-        "a unit stays gathered after its forward only when the trace says it runs "
-        "next; `stage3_max_live_parameters` bounds what is held",
-    ),
     "zero_optimization.memory_efficient_linear": Fate(
         NO_EFFECT, "hf_zero keeps your modules' own linear layers"
     ),
@@ -226,9 +222,7 @@ KEYS: dict[str, Fate] = {
     "zero_optimization.offload_optimizer.pin_memory": Fate(
         INHERENT, "host buffers are pinned whenever a GPU is present"
     ),
-    "zero_optimization.offload_optimizer.ratio": Fate(
-        REFUSED, "partial offload is not implemented; offload all (1.0) or none", _not(1.0)
-    ),
+    "zero_optimization.offload_optimizer.ratio": _h("offload_optimizer_ratio", 0.5),
     "zero_optimization.offload_optimizer.fast_kernel": _h("offload_optimizer_fast_kernel", False),
     "zero_optimization.offload_optimizer.buffer_count": _h("offload_optimizer_buffer_count", 2),
     "zero_optimization.offload_optimizer.fast_init": Fate(

@@ -66,6 +66,12 @@ SETTINGS: tuple[Setting, ...] = (
         ("offload_optimizer",),
     ),
     Setting(
+        "offload_optimizer_ratio",
+        float,
+        float,
+        "with --zero_offload_optimizer cpu: the share of the optimizer on the host (0 to 1)",
+    ),
+    Setting(
         "offload_param",
         str,
         str,

@@ -119,6 +119,11 @@ class ZeroConfig:
     """Offload: step torch Adam/AdamW with torch's fused CPU kernel, tile by tile (fast; equal to
     ``fused=True``, last-bit different from the default for-loop/foreach AdamW). ``false`` runs
     your optimizer's own ``step()`` on the host, exactly as you configured it."""
+    offload_optimizer_ratio: float = 1.0
+    """``offload_optimizer: cpu``: the fraction of each rank's master weights, gradients and
+    optimizer state kept and stepped on the host, whole buckets from the first built; the rest
+    stays on the device and is stepped there first (on a GPU its kernels run while the CPU
+    steps the host part). DeepSpeed's ``offload_optimizer.ratio``."""
     offload_param: str = "none"
     """Stage 3: where parameter shards live between gathers: device ("none"), "cpu", "nvme"."""
 
@@ -148,6 +153,14 @@ class ZeroConfig:
     param_persistence_threshold: int | str = AUTO
     """Stage 3: parameters with fewer elements stay whole on every rank ("auto": 10 h)."""
     max_live_parameters: int = 1_000_000_000
+    """Stage 3: prefetch stops, and no unit is held for reuse, beyond this many gathered
+    elements (DeepSpeed's ``stage3_max_live_parameters``)."""
+    max_reuse_distance: int = 0
+    """Stage 3: a unit stays gathered after its forward when the traced order uses it again
+    (later in the forward or in backward) before this many parameter elements are gathered in
+    between, within ``max_live_parameters``: backward then neither re-gathers it nor, under
+    NVMe, re-reads it. 0: released after each forward unless it runs next (the smallest memory).
+    DeepSpeed's ``stage3_max_reuse_distance`` (its default 1e9 holds most of a small model)."""
     check_execution_order: bool = True
     """Stage 3: check at every module entry that all ranks run the same module (one tiny
     all-gather each), so rank-dependent control flow raises instead of deadlocking."""
@@ -391,7 +404,11 @@ class ZeroConfig:
                 "train_batch_size",
             ):
                 setattr(self, name, int_or_auto(name, value, minimum))
-        for name, minimum in (("max_live_parameters", 1), ("offload_param_max_in_cpu", 0)):
+        for name, minimum in (
+            ("max_live_parameters", 1),
+            ("max_reuse_distance", 0),
+            ("offload_param_max_in_cpu", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
                 setattr(self, name, int(value))  # DeepSpeed files write 1e9
@@ -462,6 +479,21 @@ class ZeroConfig:
                     f"zero config: '{tier}' = 'nvme' needs 'nvme_path' (or "
                     f"'{tier}_nvme_path'): a directory on a fast local disk"
                 )
+        if (
+            isinstance(self.offload_optimizer_ratio, bool)
+            or not isinstance(self.offload_optimizer_ratio, (int, float))
+            or not 0.0 <= self.offload_optimizer_ratio <= 1.0
+        ):
+            raise ValueError(
+                f"zero config: 'offload_optimizer_ratio' = {self.offload_optimizer_ratio!r} must "
+                "be a number from 0 to 1 (the fraction of the optimizer kept on the host)"
+            )
+        if self.offload_optimizer_ratio != 1.0 and self.offload_optimizer != "cpu":
+            raise ValueError(
+                f"zero config: 'offload_optimizer_ratio' = {self.offload_optimizer_ratio} needs "
+                f"'offload_optimizer' = 'cpu' (partial offload); got "
+                f"{self.offload_optimizer!r}"
+            )
         for name in ("offload_param_buffer_count", "offload_optimizer_buffer_count"):
             at_least(name, getattr(self, name), 1)
         at_least("nvme_io_threads", self.nvme_io_threads, 1)

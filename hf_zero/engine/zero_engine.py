@@ -150,6 +150,7 @@ class ZeroEngine(Engine):
             check_execution_order=config.check_execution_order,
             read_ahead=read_ahead,
             comm=self.comm,
+            max_reuse_numel=config.max_reuse_distance,
         )
         mark_whole_shapes(self.groups + self.frozen_groups)
         self.state_dict_hooks = StateDictHooks(
@@ -207,7 +208,14 @@ class ZeroEngine(Engine):
         if self.tp:
             parts.insert(3, f"tensor parallel {topo.tp_size} (AutoTP, {len(self.tp.plan)} modules)")
         parts += self.sequence.describe() if self.sequence is not None else []
-        if config.offload_optimizer != "none":
+        if config.offload_optimizer != "none" and config.offload_optimizer_ratio < 1.0:
+            host = [g for g in self.groups if g.offload]
+            share = sum(g.numel for g in host) / max(1, sum(g.numel for g in self.groups))
+            parts.append(
+                f"optimizer offloaded to cpu in part (ratio {config.offload_optimizer_ratio}: "
+                f"{len(host)} of {len(self.groups)} buckets, {share:.0%} of the elements)"
+            )
+        elif config.offload_optimizer != "none":
             parts.append(f"optimizer offloaded to {config.offload_optimizer}")
         if config.offload_param != "none":
             parts.append(f"parameter shards offloaded to {config.offload_param}")
@@ -446,8 +454,7 @@ class ZeroEngine(Engine):
                 report[kind] += nbytes
         for kind, nbytes in loose_param_bytes(self.module, self._grouped).items():
             report[kind] += nbytes
-        where = "host_optimizer_states" if self.optimizer.offload else "optimizer_states"
-        report[where] = self.optimizer.state_bytes()
+        report.update(self.optimizer.state_bytes())
         report["total"] = sum(report[k] for k in device_kinds)
         report["host_total"] = sum(v for k, v in report.items() if k.startswith("host_"))
         report["nvme_total"] = sum(report[k] for k in nvme_kinds)

@@ -9,6 +9,9 @@ kind            the step                                                chosen w
                 updated
 `StreamedStep`  tiles streamed from swap files through a ring of         are in swap files
                 buffers, reads and writes overlapped with the update     (ZeRO-Infinity)
+`SplitStep`     `DeviceStep` over the device buckets, then `HostStep`    some on the device, the
+                over the host ones (a GPU runs the first while the CPU   rest in host memory
+                steps the second)                                        (partial offload)
 ==============  ======================================================  =======================
 
 `ShardedOptimizer` picks one at construction (`master_step`, from `MasterWeights.location`) and
@@ -16,6 +19,9 @@ calls it; what differs by offload mode lives here, not in a branch of its step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -87,13 +93,50 @@ class HostStep(MasterStep):
 
     def __call__(self) -> None:
         on_tile = self._copy_back if self.overlap_copy_back else None
-        if isinstance(self.optimizer, CPUAdam):
-            self.optimizer.on_tile = on_tile
-            self.optimizer.step()
-        elif self.fast_kernel:
-            adam_step(self.optimizer, on_tile=on_tile)
-        else:
-            self.optimizer.step()  # any other elementwise optimizer, untiled
+        with _narrowed(self.optimizer, self.groups):
+            if isinstance(self.optimizer, CPUAdam):
+                self.optimizer.on_tile = on_tile
+                self.optimizer.step()
+            elif self.fast_kernel:
+                adam_step(self.optimizer, on_tile=on_tile)
+            else:
+                self.optimizer.step()  # any other elementwise optimizer, untiled
+
+
+class SplitStep(MasterStep):
+    """Partial offload (``offload_optimizer_ratio``): the device buckets' step is issued first,
+    bucket by bucket; on a GPU its kernels run while the CPU steps the host buckets."""
+
+    def __init__(self, device: DeviceStep, host: HostStep) -> None:
+        super().__init__(host.optimizer, device.groups + host.groups)
+        self.device, self.host = device, host
+        self.fast_kernel = host.fast_kernel
+
+    @property
+    def overlap_copy_back(self) -> bool:
+        return self.host.overlap_copy_back
+
+    @overlap_copy_back.setter
+    def overlap_copy_back(self, on: bool) -> None:
+        self.host.overlap_copy_back = on
+
+    def __call__(self) -> None:
+        self.device()
+        self.host()
+
+
+@contextmanager
+def _narrowed(optimizer: torch.optim.Optimizer, groups: list[FlatParamGroup]) -> Iterator[None]:
+    """``optimizer.param_groups`` hold only ``groups``' masters for the duration."""
+    masters = {id(g.master) for g in groups}
+    members = [group["params"] for group in optimizer.param_groups]
+    for group, params in zip(optimizer.param_groups, members):
+        group["params"] = [p for p in params if id(p) in masters]
+    try:
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, members):
+            group["params"] = params
 
 
 class StreamedStep(MasterStep):
@@ -134,6 +177,12 @@ def master_step(
     locations = {g.master_weights.location for g in groups if g.master_weights is not None}
     if "nvme" in locations:
         return StreamedStep(optimizer, groups, fast_kernel, buffer_count)
+    if locations == {"host", "device"}:
+        on_device = [g for g in groups if g.master_weights.location == "device"]
+        on_host = [g for g in groups if g.master_weights.location == "host"]
+        return SplitStep(
+            DeviceStep(optimizer, on_device), HostStep(optimizer, on_host, fast_kernel)
+        )
     if "host" in locations:
         return HostStep(optimizer, groups, fast_kernel)
     return DeviceStep(optimizer, groups)

@@ -231,8 +231,8 @@ class ShardedOptimizer:
         tp = self.tp_group is not None
         sq = torch.zeros(2 if tp else 1, dtype=torch.float32, device=self._master_device())
         for g in self.groups:
-            if g.grads.present:
-                sq[int(g.tp_split and tp)] += g.grads.square_sum()
+            if g.grads.present:  # partial offload: some on the host, some on the device
+                sq[int(g.tp_split and tp)] += g.grads.square_sum().to(sq.device)
         sq = sq.to(self._comm_device())
         if self.groups and self.groups[0].layout.num_shards > 1:
             self.comm.all_reduce(sq, self.dp_group)
@@ -294,13 +294,17 @@ class ShardedOptimizer:
         """Replace ``group``'s fp32 master shard and optimizer state (a loaded checkpoint)."""
         group.master_weights.load(master, state, self.optimizer, group.placement)
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors (momenta, variances, step counters)."""
-        total = 0
-        for state in self.optimizer.state.values():
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state tensors (momenta, variances, step counters), by where they
+        live: ``optimizer_states`` beside device masters, ``host_optimizer_states`` beside
+        masters in host memory (offload; swap files count their own)."""
+        host = {id(g.master) for g in self.groups if g.master_weights.location != "device"}
+        total = {"optimizer_states": 0, "host_optimizer_states": 0}
+        for param, state in self.optimizer.state.items():
+            where = "host_optimizer_states" if id(param) in host else "optimizer_states"
             for value in state.values():
                 if torch.is_tensor(value):
-                    total += value.numel() * value.element_size()
+                    total[where] += value.numel() * value.element_size()
         return total
 
     def _master_device(self) -> torch.device:

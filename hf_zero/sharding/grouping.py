@@ -61,6 +61,24 @@ def zeropp_settings(config: ZeroConfig, topo: Topology) -> ZeroPPSettings:
     )
 
 
+class HostShare:
+    """``offload_optimizer: cpu`` with ``offload_optimizer_ratio``: which buckets' masters live in
+    host memory. Buckets are taken whole, in the order they are built, while the host's share
+    stays nearest to ``ratio`` of the trainable elements (the same choice on every rank)."""
+
+    def __init__(self, ratio: float, total_numel: int) -> None:
+        self.target = ratio * total_numel
+        self.numel = 0
+        """Elements of the buckets chosen so far."""
+
+    def takes(self, numel: int) -> bool:
+        """Whether the next bucket built, of ``numel`` elements, goes to the host."""
+        if self.numel + numel / 2 > self.target:
+            return False
+        self.numel += numel
+        return True
+
+
 def log_quantization_padding(zpp: ZeroPPSettings, groups: list[FlatParamGroup]) -> None:
     """Say once when buffers are shorter than, or not a multiple of, a quantization block."""
     if not (zpp.quantized_weights or zpp.quantized_gradients or zpp.quantized_nontrainable_weights):
@@ -134,6 +152,9 @@ class GroupBuilder:
                 stacklevel=4,
             )
         trainable = [p for p in ordered if p.requires_grad and id(p) in group_of]
+        host = None
+        if self.config.offload_optimizer == "cpu":
+            host = HostShare(self.config.offload_optimizer_ratio, sum(map(true_numel, trainable)))
         reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
 
         def make(
@@ -150,7 +171,9 @@ class GroupBuilder:
                 shard_group=self.topology.dp,
                 rank=self.topology.rank,
                 comm=self.comm,
-                offload=pg_index is not None and self.config.offload_optimizer == "cpu",
+                offload=pg_index is not None
+                and host is not None
+                and host.takes(sum(map(true_numel, params))),
                 zeropp=self.zeropp,
                 param_tier=self.config.offload_param if stage == 3 else "none",
                 param_swap=self.nvme_params,

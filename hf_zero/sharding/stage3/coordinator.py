@@ -14,8 +14,9 @@ Life of a unit in one training step:
 
 * forward pre-hook: gather (or wait for a prefetch), then prefetch the next units of the traced
   execution order; the unit's inputs get a `_PostBackward` marker.
-* forward post-hook: release, unless the unit runs again next, or it is the root (its
-  parameters are used again at the start of backward); a gradient hook goes on the outputs.
+* forward post-hook: release, unless the unit runs again next, it is the root (its
+  parameters are used again at the start of backward), or its next use is within
+  ``max_reuse_distance`` (`hf_zero.sharding.stage3.reuse`); a gradient hook goes on the outputs.
 * backward, when gradients reach the outputs: gather again, prefetch the next units of the
   traced backward order. Activation-checkpoint recomputation runs here, with the unit gathered.
 * gradients: the post-accumulate-grad hooks of `GradientReducer` reduce-scatter each group as it
@@ -46,6 +47,7 @@ from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.sharding.flat_group import FlatParamGroup
 from hf_zero.sharding.stage3.entry import entry_modules, mark_sharded
+from hf_zero.sharding.stage3.reuse import ReuseWindow
 from hf_zero.sharding.stage3.saved import SavedWeightViews
 from hf_zero.sharding.stage3.units import assign_params_to_units, find_units  # noqa: F401 (re-exported)
 
@@ -114,6 +116,7 @@ class Zero3Coordinator:
         check_execution_order: bool,
         comm: Collectives | None = None,
         read_ahead: int = 0,
+        max_reuse_numel: int = 0,
     ) -> None:
         self.units = units
         self.control = control
@@ -123,6 +126,7 @@ class Zero3Coordinator:
         self.check_execution_order = check_execution_order
         self.read_ahead = read_ahead
         """NVMe tier: units beyond the prefetched ones whose shards are read from disk ahead."""
+        self.reuse = ReuseWindow(max_reuse_numel, max_live_numel)
         self.forward_trace: list[int] | None = None
         self.backward_trace: list[int] | None = None
         self._recording: tuple[list[int], list[int]] | None = ([], [])
@@ -132,9 +136,16 @@ class Zero3Coordinator:
         self._prefetched: set[int] = set()
         self._checks: list[tuple[object, torch.Tensor, int]] = []
         """Order checks issued and not yet read: (work, every rank's code, this rank's code)."""
-        self.stats = {"prefetch_hits": 0, "on_demand_gathers": 0, "checks": 0, "checks_waited": 0}
+        self.stats = {
+            "prefetch_hits": 0,
+            "on_demand_gathers": 0,
+            "held": 0,
+            "checks": 0,
+            "checks_waited": 0,
+        }
         """How often a unit found its parameters already on the way (prefetched) or not; how
-        many order checks ran, and how many of them were waited for at once."""
+        often one stayed gathered after its forward for its next use (``held``); how many order
+        checks ran, and how many of them were waited for at once."""
         self.saved = SavedWeightViews(gather=self._gather_on_demand)
         """Keeps autograd's saved views of gathered weights from pinning released buffers."""
         self._handles = []
@@ -235,7 +246,11 @@ class Zero3Coordinator:
                 )
             if not needs_backward:
                 self.release_all()
-        elif not _in_backward() and not self._runs_next(unit):
+        elif (
+            not _in_backward()
+            and not self._runs_next(unit)
+            and not (needs_backward and self._held(unit))
+        ):
             unit_release(unit)
         if needs_backward:
             self._watch_backward(unit, output)
@@ -258,6 +273,17 @@ class Zero3Coordinator:
             and self._fwd_cursor < len(trace)
             and (trace[self._fwd_cursor] == unit.index)
         )
+
+    def _held(self, unit: Unit) -> bool:
+        """Whether ``unit``, just run on the traced forward, stays gathered for its next use."""
+        position, trace = self._fwd_cursor - 1, self.forward_trace
+        if trace is None or not 0 <= position < len(trace) or trace[position] != unit.index:
+            return False
+        live = sum(u.numel for u in self.units if any(g.flat_param is not None for g in u.groups))
+        if not self.reuse.holds(position, live):
+            return False
+        self.stats["held"] += 1
+        return True
 
     # --- backward ----------------------------------------------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
@@ -369,6 +395,7 @@ class Zero3Coordinator:
             everyone = mine
         if bool((everyone == mine).all()):
             self.forward_trace, self.backward_trace = forward, backward
+            self.reuse.adopt(forward, backward, [u.numel for u in self.units])
         else:
             logger.warning(
                 "hf_zero: ranks ran units in different orders in the first step; "
