@@ -22,7 +22,8 @@ The NVMe optimizer step reads and writes at once, so its bound is the time the d
 its bytes at the measured rate of that mix (the ``mixed`` phase: every process reads its first
 file while writing a second): ``(read_bytes + write_bytes) / mixed_bw``, all ranks' bytes, one
 disk. ``bound / step`` is the fraction of that bound the step reaches (1.0 = disk-limited).
-``--reduce_bucket_size auto`` (h^2, what the Hugging Face DeepSpeed JSONs ask for) everywhere.
+``--reduce_bucket_size auto`` (h^2, what the Hugging Face DeepSpeed JSONs ask for) everywhere;
+``default`` passes none, as a config that names no sizes.
 
 ``--deepspeed`` adds DeepSpeed 0.19.8's ``cpu/cpu`` and ``nvme/nvme`` rows
 (`infinity_rank_deepspeed.py`: its NVMe path needs the async_io op, built from libaio's headers,
@@ -123,8 +124,14 @@ def train_worker(args) -> dict:
         offload_optimizer=offload_optimizer,
         nvme_path=args.nvme_path,
         nvme_io_threads=args.io_threads,
-        reduce_bucket_size=_int_or_auto(args.reduce_bucket_size),
     )
+    if offload_param == "nvme":  # the host budget and reuse window (hf_zero's keys)
+        zero.update(
+            offload_param_max_in_cpu=int(args.max_in_cpu),
+            max_reuse_distance=int(args.max_reuse_distance),
+        )
+    if args.reduce_bucket_size != "default":  # "default": what a config that names none gets
+        zero["reduce_bucket_size"] = _int_or_auto(args.reduce_bucket_size)
     with hf_zero.partitioned_init(**zero):
         model = LlamaForCausalLM(config)
     engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), **zero)
@@ -236,6 +243,8 @@ FORWARDED = (
     "reduce_bucket_size",
     "nvme_path",
     "io_threads",
+    "max_in_cpu",
+    "max_reuse_distance",
     "bw_gib",
     "nproc",
 )
@@ -366,8 +375,18 @@ def main(argv=None) -> int:
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--reduce_bucket_size", default="auto", help="elements, or auto (h^2)")
+    p.add_argument(
+        "--reduce_bucket_size",
+        default="auto",
+        help="elements, auto (h^2), or default (none given: hf_zero's defaults)",
+    )
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--max_in_cpu", type=float, default=0, help="nvme/nvme: offload_param_max_in_cpu elements"
+    )
+    p.add_argument(
+        "--max_reuse_distance", type=float, default=0, help="nvme/nvme: max_reuse_distance"
+    )
     p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
     p.add_argument("--io_threads", type=int, default=4)
     p.add_argument("--bw_gib", type=float, default=4.0, help="bandwidth test size, all ranks")

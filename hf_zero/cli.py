@@ -255,6 +255,24 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
             f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "
             f"{m['working_set'] / gib:>14.2f} {m['nvme_total'] / gib:>9.2f}"
         )
+    _print_memory_first_defaults(args, shape)
+
+
+def _print_memory_first_defaults(args: argparse.Namespace, shape) -> None:
+    """What a config that names no sizes gets under NVMe or parameter offload (the rows above
+    assume them): `ZeroConfig.resolve_auto` decides, so this reads the same values."""
+    from hf_zero.config import ZeroConfig
+    from hf_zero.memory import BYTES
+
+    config = ZeroConfig(stage=3, offload_param="cpu").resolve_auto(hidden_size=shape.hidden)
+    b, mib = BYTES[args.precision], 2**20
+    print(
+        "defaults when a tier is on NVMe or parameters are offloaded (any size you set is kept): "
+        f"prefetch {config.prefetch_bucket_size:,} elements (one unit ahead), reductions in "
+        f"flight {config.reduce_inflight_numel:,} elements ({b * config.reduce_inflight_numel / mib:.0f}"
+        f" MiB; at least one unit's), read-ahead {config.offload_param_buffer_count} unit shards, "
+        f"{config.offload_optimizer_buffer_count} optimizer tile sets"
+    )
 
 
 def _estimate_pipeline(args: argparse.Namespace, shape) -> int:

@@ -53,6 +53,8 @@ def test_estimate_presets_tp_mixz_and_activations(capsys):
     out = capsys.readouterr().out
     assert "8,030,261,248 parameters" in out  # Llama 3 8B, counted on the meta device
     assert "activations with checkpointing" in out and "activations without" in out
+    # The sizes a config that names none gets under NVMe / parameter offload: 2 h^2 in flight.
+    assert f"reductions in flight {2 * 4096**2:,} elements (64 MiB" in out
     assert main(["estimate", "--model", "llama-3-8b", "--dp", "8", "--tp", "2"]) == 0
     tp2 = capsys.readouterr().out
     stage0 = [

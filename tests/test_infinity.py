@@ -433,3 +433,43 @@ def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):
     assert produced == [["step", "x"], ["y", "z"]]  # one piece at a time, in order
     for k, v in {**a, **b}.items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_nvme_defaults_keep_the_whole_run_within_the_estimate(tmp_path):
+    """Where memory is the point (here both tiers on NVMe), a config that names no sizes gets
+    bounded ones: reductions in flight ``2 h^2`` elements rather than two 5e7-element buckets,
+    prefetch at most one unit, large frees unmapped. A whole run (partitioned build, 2 steps,
+    an evaluation forward, a streamed save) of a 110M model on 2 ranks, measured from outside
+    by ``benchmarks/bench_infinity.py``, then grows each rank's peak RSS by no more than
+    `hf-zero estimate`'s figure + 10% (with the former defaults: 1.21x)."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_infinity.py"), "--out", str(tmp_path)]
+    cmd += ["--hidden", "768", "--layers", "12", "--steps", "2", "--bw_gib", "0.25"]
+    cmd += ["--nvme_path", str(tmp_path / "nvme"), "--reduce_bucket_size", "default"]
+    cmd += ["--only", "Infinity nvme/nvme", "--timeout", "600"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads((tmp_path / "bench_infinity.json").read_text())["runs"]
+    ranks = runs["Infinity nvme/nvme"]
+    assert len(ranks) == 2
+    for r in ranks:
+        growth = r["peak"] - r["base_rss"]
+        assert growth <= 1.10 * r["estimate"], (growth / r["estimate"], r["estimate"])
+        assert growth >= 0.6 * r["estimate"], (growth / r["estimate"], r["estimate"])
+
+
+def test_memory_first_defaults_are_bounded_and_given_sizes_kept():
+    h = 768
+    nvme = dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_path="/tmp")
+    bounded = hf_zero.ZeroConfig(**nvme).resolve_auto(hidden_size=h)
+    assert bounded.reduce_inflight_numel == 2 * h * h  # not 2 x the 5e7 bucket
+    assert bounded.prefetch_bucket_size <= h * h
+    offloaded = hf_zero.ZeroConfig(stage=3, offload_param="cpu").resolve_auto(hidden_size=None)
+    assert offloaded.prefetch_bucket_size == 1  # one unit ahead, with no hidden size to size it
+    plain = hf_zero.ZeroConfig(stage=3).resolve_auto(hidden_size=h)
+    assert plain.reduce_inflight_numel == 2 * plain.reduce_bucket_size == 10**8
+    given = hf_zero.ZeroConfig(**nvme, reduce_inflight_numel=10**8, prefetch_bucket_size=10**7)
+    given.resolve_auto(hidden_size=h)
+    assert (given.reduce_inflight_numel, given.prefetch_bucket_size) == (10**8, 10**7)

@@ -85,6 +85,13 @@ class ZeroConfig:
     # --- buckets and overlap -----------------------------------------------------------------
     reduce_bucket_size: int | str = 50_000_000
     """Elements per flat gradient bucket (stages 0-2 also shard the optimizer per bucket)."""
+    reduce_inflight_numel: int | str = AUTO
+    """Stages 2-3: elements of buckets whose reductions may be in flight at once (each holds
+    its full-size gradient until done; one bucket always may go). "auto": two buckets (one on
+    the wire, one queued), ``2 x reduce_bucket_size``; where memory is the point (a tier on
+    NVMe, or parameters offloaded) ``2 h^2`` instead (h: the model's hidden size), so a large
+    bucket size does not hold several units' gradients at once; the prefetch budget's "auto"
+    is then at most one unit as well."""
     overlap_comm: bool = True
     """Launch each bucket's reduction as soon as its gradients are ready during backward."""
     native_collectives: bool = False
@@ -301,9 +308,16 @@ class ZeroConfig:
             "gradient_clipping": max_grad_norm,
             "precision": precision,
         }
+        if self.memory_first and final:
+            # Without a hidden size: one unit ahead (a budget under one unit gathers one).
+            derived["prefetch_bucket_size"] = derived["prefetch_bucket_size"] or 1
         for name, value in derived.items():
             if getattr(self, name) == AUTO and (value is not None or final):
                 setattr(self, name, value if value is not None else AUTO_FALLBACKS[name])
+        if self.reduce_inflight_numel == AUTO and self.reduce_bucket_size != AUTO:
+            bucket = h2 if self.memory_first and h2 else None
+            if bucket is not None or final:
+                self.reduce_inflight_numel = 2 * (bucket or self.reduce_bucket_size)
         if self.train_batch_size == AUTO:
             mb, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
             ok = isinstance(mb, int) and isinstance(gas, int) and world_size
@@ -311,6 +325,12 @@ class ZeroConfig:
                 self.train_batch_size = mb * gas * world_size if ok else None
         self.validate()
         return self
+
+    @property
+    def memory_first(self) -> bool:
+        """A tier on NVMe, or parameters offloaded: the run exists to fit in memory, so the
+        "auto" sizes of prefetch and reductions in flight are the bounded ones."""
+        return self.offload_param != "none" or self.offload_optimizer == "nvme"
 
     def check_batch_sizes(self, world_size: int) -> None:
         """Raise if train_batch_size != micro_batch * gradient_accumulation_steps * dp world."""
@@ -396,6 +416,7 @@ class ZeroConfig:
             "train_batch_size": 1,
             "prefetch_bucket_size": 0,
             "param_persistence_threshold": 0,
+            "reduce_inflight_numel": 1,
         }
         for name, minimum in int_minimums.items():
             value = getattr(self, name)

@@ -66,9 +66,8 @@ class ZeroEngine(Engine):
         self._connect(config)
         self._place_model(model, optimizer)
         self.sequence = sequence.install(model, config, self.topology, self.comm)
-        nvme = "nvme" in (config.offload_param, config.offload_optimizer)
         self.host_memory = HostMemoryPolicy(
-            self.device.type == "cpu", config.host_memory, nvme, config.stage
+            self.device.type == "cpu", config.host_memory, config.memory_first, config.stage
         )
         """When freed host memory goes back to the OS (CPU runs)."""
         self.host_memory.start()
@@ -169,7 +168,7 @@ class ZeroEngine(Engine):
             config.overlap_comm,
             control=self.topology.dp_control,
             comm=self.comm,
-            max_inflight_numel=2 * config.reduce_bucket_size,  # one on the wire, one queued
+            max_inflight_numel=config.reduce_inflight_numel,
         )
         self.reducer.on_backward_end = self._check_backward
         self.optimizer = ShardedOptimizer(

@@ -319,7 +319,7 @@ class FlatParamGroup:
         self.reduce_codec.wait()
 
     def land_reduction(self) -> None:
-        """NVMe optimizer: write the finished reduction out now rather than at the end of
+        """Offloaded optimizer: copy the finished reduction out now rather than at the end of
         backward (only then does every rank know whether any had a gradient: `finish_reduce`
         commits it). A no-op for other groups."""
         if self.launched:

@@ -133,23 +133,42 @@ class DeviceMaster(MasterWeights):
 
 class HostMaster(MasterWeights):
     """ZeRO-Offload: master, gradient and optimizer state in host memory (pinned on CUDA).
-    Reduced gradients are copied device-to-host; updated tiles go back host-to-device as the
-    step finishes them."""
+    Reduced gradients are copied device-to-host as soon as each reduction is waited for, so no
+    device buffer holds the rank's gradient shard until the end of backward; updated tiles go
+    back host-to-device as the step finishes them."""
 
     location = "host"
+    lands_early = True
 
     def __init__(self, values: torch.Tensor, world: int, pin: bool) -> None:
         host = torch.empty(values.numel(), dtype=torch.float32, device="cpu", pin_memory=pin)
         super().__init__(host.copy_(values), world)
         self.pin = pin
         self._sent = False
+        self._landed: tuple[torch.Tensor, object] | None = None
+        """A reduction copied to the host before the end of backward, not yet committed."""
 
-    def take_gradient(self, reduced: torch.Tensor, accumulate: bool, form: str) -> None:
+    def _to_host(self, reduced: torch.Tensor) -> tuple[torch.Tensor, object]:
         with clock.phase("copy"):
             host = torch.empty(
                 reduced.numel(), dtype=torch.float32, device="cpu", pin_memory=self.pin
             )
-            self.grads.fold_host(host, start_copy(host, reduced), accumulate)
+            return host, start_copy(host, reduced)
+
+    def take_gradient(self, reduced: torch.Tensor, accumulate: bool, form: str) -> None:
+        self.grads.fold_host(*self._to_host(reduced), accumulate)
+
+    def land(self, codec) -> None:
+        if self._landed is None:
+            self._landed = self._to_host(codec.finish())
+
+    def finish_reduction(self, codec, intake, received: bool) -> None:
+        # Only at the end of backward does every rank know whether any had a gradient.
+        landed, self._landed = self._landed, None
+        if landed is None:
+            super().finish_reduction(codec, intake, received)
+        elif received:
+            self.grads.fold_host(*landed, intake.accumulates)
 
     def send_tile(self, start: int, end: int, values, placement: Placement) -> None:
         """Start copying updated elements ``[start, end)`` (``values``, or read from the

@@ -86,12 +86,13 @@ class HostMemoryPolicy:
     1.09x DDP); ``unmap`` also maps every allocation of 1 MiB and more on its own, so that what
     is freed inside a step (activations, logits tiles) leaves at once rather than piling up in
     the heap until the trim (long sequences: the peak RSS); ``reuse`` keeps freed memory for
-    the next step. NVMe tiers always unmap (the host holds a working set only).
+    the next step. Runs whose point is memory (``memory_first``: an NVMe tier, or parameters
+    offloaded) always unmap: the host holds model states and a working set only.
     """
 
-    def __init__(self, on_cpu: bool, setting: str, nvme: bool, stage: int) -> None:
-        self.unmap = on_cpu and (nvme or setting == "unmap")
-        self.reuse = on_cpu and setting == "reuse" and not nvme
+    def __init__(self, on_cpu: bool, setting: str, memory_first: bool, stage: int) -> None:
+        self.unmap = on_cpu and (memory_first or setting == "unmap")
+        self.reuse = on_cpu and setting == "reuse" and not memory_first
         self.trim_after_step = on_cpu and stage >= 2 and not self.reuse
 
     def start(self) -> None:

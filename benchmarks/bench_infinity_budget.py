@@ -1,0 +1,149 @@
+"""ZeRO-Infinity's step time against the host memory it is given, beside DeepSpeed's.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=/work/dslib python benchmarks/bench_infinity_budget.py \
+        --hidden 1024 --layers 24 --deepspeed
+
+Each point is one `benchmarks/bench_infinity.py` run (a fresh group of ranks living a whole run:
+partitioned build, ``--steps`` steps, an evaluation forward, the streamed save; peak RSS per
+rank from process start). hf_zero's ``nvme``/``nvme`` is run at host budgets
+(``offload_param_max_in_cpu``) of the given fractions of each rank's parameter shard, and once
+more with every shard cached and units held from forward to backward (``max_reuse_distance``
+1e9: backward then reads nothing and gathers nothing again); hf_zero's ``cpu``/``cpu`` and,
+with ``--deepspeed``, DeepSpeed 0.19.8's ``cpu``/``cpu`` and ``nvme``/``nvme`` (its defaults:
+``max_in_cpu`` 1e9, ``stage3_max_reuse_distance`` 1e9) are the reference points. Prints a table
+with each point's step time and peak as ratios to DeepSpeed's ``nvme``/``nvme``, writes
+``--out/bench_infinity_budget.json`` and a plot of step time against peak RSS
+(``--out/infinity_budget.png``). Timings are never asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NVME = "Infinity nvme/nvme"
+
+
+def shard_numel(args) -> int:
+    """Each rank's share of the model's parameters (the host budget's scale)."""
+    import torch
+    from common import llama_shape
+    from transformers import LlamaForCausalLM
+
+    from hf_zero.tiny import tiny_llama_config
+
+    config = tiny_llama_config(**llama_shape(args.hidden, args.layers, args.vocab, args.seq_len))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    return params // args.nproc
+
+
+def run_point(args, label: str, extra: list[str]) -> dict[str, dict]:
+    """One bench_infinity run; its summary rows by configuration name."""
+    out = Path(args.out) / "budget" / label.replace(" ", "_").replace("/", "-")
+    cmd = [sys.executable, str(HERE / "bench_infinity.py"), "--out", str(out)]
+    for key in ("hidden", "layers", "vocab", "seq_len", "steps", "nproc", "nvme_path"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    cmd += ["--bw_gib", str(args.bw_gib), "--reduce_bucket_size", "auto", *extra]
+    print(f"running {label} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if done.returncode != 0:
+        raise RuntimeError(f"{label} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return json.loads((out / "bench_infinity.json").read_text())["summary"]["rows"]
+
+
+def collect(args) -> list[dict]:
+    shard = shard_numel(args)
+    points = []
+    for fraction in args.fractions:
+        budget = int(fraction * shard)
+        rows = run_point(
+            args, f"budget {fraction:g}", ["--only", NVME, "--max_in_cpu", str(budget)]
+        )
+        points.append({"name": f"hf_zero nvme/nvme, cache {fraction:.0%}", **rows[NVME]})
+    extra = ["--only", NVME, "--max_in_cpu", str(shard), "--max_reuse_distance", "1e9"]
+    rows = run_point(args, "budget all + reuse", extra)
+    points.append({"name": "hf_zero nvme/nvme, cache 100% + reuse", **rows[NVME]})
+    extra = ["--only", "stage 3 + offload cpu/cpu"] + (["--deepspeed"] if args.deepspeed else [])
+    rows = run_point(args, "cpu and DeepSpeed", extra)
+    for name, row in rows.items():
+        label = "hf_zero cpu/cpu" if name.startswith("stage 3") else name
+        points.append({"name": label, **row})
+    return points
+
+
+def table(points: list[dict]) -> str:
+    ds = next((p for p in points if p["name"] == "DeepSpeed nvme/nvme"), None)
+    lines = [
+        "| point | step (s) | peak RSS (MB) | step / DeepSpeed nvme | peak / DeepSpeed nvme "
+        "| final loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        step = f"{p['step_s'] / ds['step_s']:.2f}x" if ds else ""
+        peak = f"{p['peak_rss_mb'] / ds['peak_rss_mb']:.2f}x" if ds else ""
+        lines.append(
+            f"| {p['name']} | {p['step_s']:.2f} | {p['peak_rss_mb']:.0f} | {step} | {peak} "
+            f"| {p['final_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curve = [p for p in points if p["name"].startswith("hf_zero nvme")]
+    ax.plot(
+        [p["peak_rss_mb"] for p in curve], [p["step_s"] for p in curve], "o-",
+        label="hf_zero nvme/nvme, host budget 0% .. 100% (+ reuse)",
+    )  # fmt: skip
+    for p in points:
+        if p in curve:
+            continue
+        marker = "s" if p["name"].startswith("DeepSpeed") else "^"
+        ax.plot(p["peak_rss_mb"], p["step_s"], marker, label=p["name"])
+    ax.set_xlabel("peak RSS per rank over the whole run (MB)")
+    ax.set_ylabel("step time (s)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
+    p.add_argument("--bw_gib", type=float, default=1.0)
+    p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed 0.19.8's points")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    points = collect(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_infinity_budget.json").write_text(json.dumps(points, indent=1))
+    plot(points, out / "infinity_budget.png")
+    print(table(points))
+    print(f"\nwrote {out / 'bench_infinity_budget.json'} and {out / 'infinity_budget.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
