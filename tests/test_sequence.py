@@ -7,7 +7,10 @@
   not divide (padded); the model has GQA (4 query heads, 2 kv heads: at SP 4 each kv head is
   repeated) and tied embeddings; stages 0 and 3, optimizer offload, gradient checkpointing, LoRA;
   Qwen3 (q/k norms) and Mistral with eager attention and a sliding window shorter than the rows.
-* Tiled logits (tiles of 5 tokens) and tiled MLP against the untiled run at stage 3: 1e-6.
+* Tiled logits (tiles of 5 tokens) and tiled MLP against the untiled run at stage 3: loss 1e-6,
+  parameters 1e-5 (norm-wise relative). A weight gradient summed over tiles differs from the one
+  matmul's by fp32 rounding (~1e-7 relative, more or less by CPU kernel), and AdamW's division by
+  sqrt(v) magnifies it where a gradient element is near zero: 3.6e-6 after 3 steps on an AVX2 CPU.
 * Checkpoint offload: the same path on CPU, so bit-identical to checkpointing without it.
 * The Trainer: ``run_clm.py`` under ``-m hf_zero.run --zero_sp_size 2`` on 2 processes logs the
   losses of the same script on one process without SP.
@@ -258,7 +261,7 @@ def _tiled_matches_untiled(name: str) -> list[tuple[str, float, float]]:
 def test_tiled_logits_and_mlp_match_untiled(name):
     for rank_results in run_distributed(_tiled_matches_untiled, 2, (name,), timeout=300):
         for label, loss_diff, param_diff in rank_results:
-            assert loss_diff < 1e-6 and param_diff < 1e-6, (label, loss_diff, param_diff)
+            assert loss_diff < 1e-6 and param_diff < TOL, (label, loss_diff, param_diff)
 
 
 def _tiles_differ_across_ranks() -> list[tuple[str, float, float]]:
@@ -288,7 +291,7 @@ def _tiles_differ_across_ranks() -> list[tuple[str, float, float]]:
 def test_tiles_that_differ_across_ranks_match_untiled():
     for rank_results in run_distributed(_tiles_differ_across_ranks, 2, timeout=300):
         for label, loss_diff, param_diff in rank_results:
-            assert loss_diff < 1e-6 and param_diff < 1e-6, (label, loss_diff, param_diff)
+            assert loss_diff < 1e-6 and param_diff < TOL, (label, loss_diff, param_diff)
 
 
 def test_sequence_settings_are_checked():
