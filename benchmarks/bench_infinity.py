@@ -130,6 +130,8 @@ def train_worker(args) -> dict:
             offload_param_max_in_cpu=int(args.max_in_cpu),
             max_reuse_distance=int(args.max_reuse_distance),
         )
+    if offload_optimizer == "nvme" and args.optimizer_max_in_cpu:
+        zero["offload_optimizer_max_in_cpu"] = int(args.optimizer_max_in_cpu)
     if args.reduce_bucket_size != "default":  # "default": what a config that names none gets
         zero["reduce_bucket_size"] = _int_or_auto(args.reduce_bucket_size)
     with hf_zero.partitioned_init(**zero):
@@ -213,6 +215,7 @@ def _estimate(shape, engine, args, offload_param: str, offload_optimizer: str) -
             shape, args.nproc, "fp32", offload_param == "nvme",
             engine.config.offload_param_buffer_count,
             engine.config.offload_optimizer_buffer_count, prefetch,
+            engine.config.offload_param_max_in_cpu, engine.config.offload_optimizer_max_in_cpu,
         )  # fmt: skip
         return m["params"] + m["working_set"] + activations
     m = estimate(shape, args.nproc, 3, "fp32", offload_optimizer == "cpu", offload_param=offload_param == "cpu")  # fmt: skip
@@ -245,6 +248,7 @@ FORWARDED = (
     "io_threads",
     "max_in_cpu",
     "max_reuse_distance",
+    "optimizer_max_in_cpu",
     "bw_gib",
     "nproc",
 )
@@ -386,6 +390,12 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--max_reuse_distance", type=float, default=0, help="nvme/nvme: max_reuse_distance"
+    )
+    p.add_argument(
+        "--optimizer_max_in_cpu",
+        type=float,
+        default=0,
+        help="nvme optimizer: offload_optimizer_max_in_cpu elements",
     )
     p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
     p.add_argument("--io_threads", type=int, default=4)

@@ -5,13 +5,14 @@
 
 Each point is one `benchmarks/bench_infinity.py` run (a fresh group of ranks living a whole run:
 partitioned build, ``--steps`` steps, an evaluation forward, the streamed save; peak RSS per
-rank from process start). hf_zero's ``nvme``/``nvme`` is run at host budgets
-(``offload_param_max_in_cpu``) of the given fractions of each rank's parameter shard, and once
-more with every shard cached and units held from forward to backward (``max_reuse_distance``
-1e9: backward then reads nothing and gathers nothing again); hf_zero's ``cpu``/``cpu`` and,
-with ``--deepspeed``, DeepSpeed 0.19.8's ``cpu``/``cpu`` and ``nvme``/``nvme`` (its defaults:
-``max_in_cpu`` 1e9, ``stage3_max_reuse_distance`` 1e9) are the reference points. Prints a table
-with each point's step time and peak as ratios to DeepSpeed's ``nvme``/``nvme``, writes
+rank from process start). hf_zero's ``nvme``/``nvme`` runs at host budgets given as fractions
+of the bytes it could keep in memory per rank: 4 per parameter-shard element (the fp32 shard,
+``offload_param_max_in_cpu``) and 16 per optimizer element (master, gradient, two Adam moments,
+``offload_optimizer_max_in_cpu``). A budget fills the parameter cache first (its bytes are read
+twice a step), then the optimizer's. hf_zero's ``cpu``/``cpu`` and, with ``--deepspeed``,
+DeepSpeed 0.19.8's ``cpu``/``cpu`` and ``nvme``/``nvme`` (its defaults: ``max_in_cpu`` 1e9,
+``stage3_max_reuse_distance`` 1e9) are the reference points. Prints a table with each point's
+step time and peak as ratios to DeepSpeed's ``nvme``/``nvme``, writes
 ``--out/bench_infinity_budget.json`` and a plot of step time against peak RSS
 (``--out/infinity_budget.png``). Timings are never asserted anywhere.
 """
@@ -57,18 +58,25 @@ def run_point(args, label: str, extra: list[str]) -> dict[str, dict]:
     return json.loads((out / "bench_infinity.json").read_text())["summary"]["rows"]
 
 
+def split(fraction: float, shard: int) -> tuple[int, int]:
+    """Elements of parameter cache and of optimizer cache that ``fraction`` of the host-cacheable
+    bytes buys (4 and 16 per element; parameters first)."""
+    budget = fraction * 20 * shard
+    params = int(min(shard, budget / 4))
+    return params, int(max(0.0, budget - 4 * params) / 16)
+
+
 def collect(args) -> list[dict]:
     shard = shard_numel(args)
     points = []
     for fraction in args.fractions:
-        budget = int(fraction * shard)
-        rows = run_point(
-            args, f"budget {fraction:g}", ["--only", NVME, "--max_in_cpu", str(budget)]
-        )
-        points.append({"name": f"hf_zero nvme/nvme, cache {fraction:.0%}", **rows[NVME]})
-    extra = ["--only", NVME, "--max_in_cpu", str(shard), "--max_reuse_distance", "1e9"]
-    rows = run_point(args, "budget all + reuse", extra)
-    points.append({"name": "hf_zero nvme/nvme, cache 100% + reuse", **rows[NVME]})
+        params, optimizer = split(fraction, shard)
+        extra = ["--only", NVME, "--max_in_cpu", str(params)]
+        extra += ["--optimizer_max_in_cpu", str(optimizer)]
+        rows = run_point(args, f"budget {fraction:g}", extra)
+        name = f"hf_zero nvme/nvme, host budget {fraction:.0%}"
+        points.append({"name": name, "param_cache": params, "optimizer_cache": optimizer})
+        points[-1].update(rows[NVME])
     extra = ["--only", "stage 3 + offload cpu/cpu"] + (["--deepspeed"] if args.deepspeed else [])
     rows = run_point(args, "cpu and DeepSpeed", extra)
     for name, row in rows.items():
@@ -81,15 +89,16 @@ def table(points: list[dict]) -> str:
     ds = next((p for p in points if p["name"] == "DeepSpeed nvme/nvme"), None)
     lines = [
         "| point | step (s) | peak RSS (MB) | step / DeepSpeed nvme | peak / DeepSpeed nvme "
-        "| final loss |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| optimizer step (s) | disk bound / optimizer step | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in points:
         step = f"{p['step_s'] / ds['step_s']:.2f}x" if ds else ""
         peak = f"{p['peak_rss_mb'] / ds['peak_rss_mb']:.2f}x" if ds else ""
+        bound = f"{p['bound_fraction']:.2f}" if "bound_fraction" in p else ""
         lines.append(
             f"| {p['name']} | {p['step_s']:.2f} | {p['peak_rss_mb']:.0f} | {step} | {peak} "
-            f"| {p['final_loss']:.4f} |"
+            f"| {p['optimizer_step_s']:.2f} | {bound} | {p['final_loss']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -104,7 +113,7 @@ def plot(points: list[dict], path: Path) -> None:
     curve = [p for p in points if p["name"].startswith("hf_zero nvme")]
     ax.plot(
         [p["peak_rss_mb"] for p in curve], [p["step_s"] for p in curve], "o-",
-        label="hf_zero nvme/nvme, host budget 0% .. 100% (+ reuse)",
+        label="hf_zero nvme/nvme, host budget 0% .. 100%",
     )  # fmt: skip
     for p in points:
         if p in curve:
@@ -128,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.4, 0.6, 1.0])
     p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
     p.add_argument("--bw_gib", type=float, default=1.0)
     p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed 0.19.8's points")

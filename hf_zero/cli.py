@@ -110,7 +110,11 @@ def _model_shape(args: argparse.Namespace):
         values = dict(MODEL_PRESETS[args.model])
         config = AutoConfig.for_model(values.pop("model_type"), **values)
     else:
-        config = AutoConfig.from_pretrained(args.model_config)
+        try:
+            config = AutoConfig.from_pretrained(args.model_config)
+        except OSError as err:  # not a directory or config.json: say so in one line
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"--model-config {args.model_config!r}: {first}") from None
     with torch.device("meta"):  # shapes only: nothing is allocated
         return shape_of(AutoModelForCausalLM.from_config(config))
 
@@ -242,14 +246,15 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
         f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host GiB':>13} {'+ working set':>14} "
         f"{'disk GiB':>9}"
     )
-    rows = [("optimizer", False, 0), ("opt+param", True, 0)]
-    if args.max_in_cpu > 0:
-        rows.append((f"+ {args.max_in_cpu:.3g} cached", True, int(args.max_in_cpu)))
-    for label, offload_param, cached in rows:
+    rows = [("optimizer", False, 0, 0), ("opt+param", True, 0, 0)]
+    cached, held = int(args.max_in_cpu), int(args.optimizer_max_in_cpu)
+    if cached or held:
+        rows.append(("+ cached", True, cached, held))
+    for label, offload_param, cached, held in rows:
         prefetch = int(0.9 * shape.hidden**2)  # stage3_prefetch_bucket_size: auto
         m = infinity_bytes(
             shape, args.dp, args.precision, offload_param, prefetch_bucket_size=prefetch,
-            param_cache_numel=cached,
+            param_cache_numel=cached, optimizer_cache_numel=held,
         )  # fmt: skip
         print(
             f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "
@@ -432,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="ZeRO-Infinity: parameter elements per rank cached in host memory "
         "(offload_param_max_in_cpu; the NVMe rows add one with them)",
+    )
+    p.add_argument(
+        "--optimizer-max-in-cpu",
+        type=float,
+        default=0,
+        help="ZeRO-Infinity: optimizer elements per rank kept in host memory, 16 bytes each "
+        "(offload_optimizer_max_in_cpu; the NVMe rows add one with them)",
     )
     p.add_argument("--seq-len", type=_positive, default=2048)
     p.add_argument("--sp", type=_positive, default=1, help="sequence-parallel ranks (Ulysses)")

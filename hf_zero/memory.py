@@ -316,6 +316,7 @@ def infinity_bytes(
     optimizer_buffer_count: int = 4,
     prefetch_bucket_size: int = 0,
     param_cache_numel: int = 0,
+    optimizer_cache_numel: int = 0,
 ) -> dict[str, float]:
     """ZeRO-Infinity per rank (stage 3, ``offload_optimizer: nvme``; ``offload_param: nvme``
     too with ``offload_param``): swap-file bytes by kind (``nvme_*``, as `memory_report()` names
@@ -327,25 +328,31 @@ def infinity_bytes(
     the prefetch budget (``prefetch_bucket_size`` elements in the compute dtype).
     ``param_cache_numel`` (``offload_param_max_in_cpu``): that many elements of the rank's
     parameter shards kept in host memory too (``host_param_cache``, counted in the host column,
-    an upper bound: only whole shards are cached)."""
+    an upper bound: only whole shards are cached). ``optimizer_cache_numel``
+    (``offload_optimizer_max_in_cpu``): that many elements of the optimizer shard keep master,
+    gradient and Adam moments in host memory instead of swap files (``host_optimizer_cache``,
+    16 bytes each, also counted in the host column)."""
     from hf_zero.optim.streamed_step import DEFAULT_TILE
 
     P, N, b = float(shape.params), float(dp_size), BYTES[precision]
     unit_shard = shape.largest_unit_params / N
+    held = min(float(optimizer_cache_numel), P / N)  # optimizer elements in host memory
+    streamed = P / N - held
     report = {
         "params": 0.0 if offload_param else b * P / N,
         "nvme_params": b * P / N if offload_param else 0.0,
-        "nvme_master_weights": 4 * P / N,
-        "nvme_grads": 4 * P / N,
-        "nvme_optimizer_states": 8 * P / N,
+        "nvme_master_weights": 4 * streamed,
+        "nvme_grads": 4 * streamed,
+        "nvme_optimizer_states": 8 * streamed,
     }
     report["nvme_total"] = sum(v for k, v in report.items() if k.startswith("nvme_"))
     read_ahead = param_buffer_count * b * unit_shard if offload_param else 0.0
-    tiles = optimizer_buffer_count * min(DEFAULT_TILE, unit_shard) * 4 * 4
+    tiles = optimizer_buffer_count * min(DEFAULT_TILE, unit_shard) * 4 * 4 if streamed else 0.0
     report["host_io_buffers"] = read_ahead + tiles
     cache = b * min(float(param_cache_numel), P / N) if offload_param else 0.0
     report["host_param_cache"] = cache
-    report["host_io_buffers"] += cache
+    report["host_optimizer_cache"] = 16 * held
+    report["host_io_buffers"] += cache + report["host_optimizer_cache"]
     # The reduce-scatter output of the reduction in flight (one unit's with reduce_bucket_size
     # `auto`, h^2 elements; more units' with a larger one) until it is written out.
     in_flight = b * unit_shard

@@ -18,9 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hf_zero.config.checks import AUTO, at_least, frozen_storage, int_or_auto, one_of, suggest
+from hf_zero.config.checks import AUTO, at_least, int_or_auto, one_of, suggest
 from hf_zero.config.files import read_mapping
+from hf_zero.config.offload import check_offload_settings
 from hf_zero.config.sequence import check_sequence_settings
+from hf_zero.config.zeropp import check_zeropp_settings
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -149,6 +151,12 @@ class ZeroConfig:
     memory (the first units built, whole shards, up to this many), gathered from there and never
     read back from disk; updates are written through to the files. 0: only the read-ahead
     buffers (the smallest memory). DeepSpeed's ``offload_param.max_in_cpu`` (its default 1e9)."""
+    offload_optimizer_max_in_cpu: int = 0
+    """``offload_optimizer: nvme``: elements of this rank's optimizer shard whose fp32 master,
+    gradient and optimizer state are kept (and stepped) in host memory, as ``offload_optimizer:
+    cpu`` keeps them: whole buckets, the first built, up to this many; the rest stream from the
+    swap files. 0: every bucket streams (the smallest memory); a large value: none does, so the
+    step reads and writes no optimizer bytes on disk (16 bytes per cached element in memory)."""
     offload_optimizer_buffer_count: int = 4
     """``offload_optimizer: nvme``: tiles of (master, gradient, state) in flight in the step."""
     nvme_io_threads: int = 4
@@ -429,6 +437,7 @@ class ZeroConfig:
             ("max_live_parameters", 1),
             ("max_reuse_distance", 0),
             ("offload_param_max_in_cpu", 0),
+            ("offload_optimizer_max_in_cpu", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
@@ -444,17 +453,7 @@ class ZeroConfig:
                 f"zero config: 'consecutive_hysteresis' = {self.consecutive_hysteresis!r} must be "
                 "true or false"
             )
-        if self.hpz_partition_size != AUTO:
-            self.hpz_partition_size = int_or_auto("hpz_partition_size", self.hpz_partition_size, 1)
-        one_of("quantized_weights_bits", self.quantized_weights_bits, (8, 4))
-        self.quantized_nontrainable_weights = frozen_storage(self.quantized_nontrainable_weights)
-        one_of("quantized_gradients_bits", self.quantized_gradients_bits, (8, 4))
-        at_least("quantization_block_size", self.quantization_block_size, 2)
-        if self.quantization_block_size % 2:
-            raise ValueError(
-                f"zero config: 'quantization_block_size' = {self.quantization_block_size} must "
-                "be even (INT4 packs two values per byte)"
-            )
+        check_zeropp_settings(self)
         at_least("tp_size", self.tp_size, 1)
         if self.tp_plan is not None and not isinstance(self.tp_plan, (str, Mapping)):
             raise ValueError(
@@ -468,65 +467,11 @@ class ZeroConfig:
                 f"zero config: 'optimizer' = {self.optimizer!r} must be a mapping like "
                 '{"type": "AdamW", "params": {"lr": 1e-4}}'
             )
-        zero3_only = {
-            "quantized_weights": self.quantized_weights,
-            "hpz_partition_size": self.hpz_enabled,
-            "quantized_nontrainable_weights": self.quantized_nontrainable_weights,
-        }
-        for name, on in zero3_only.items():
-            if on and self.stage != 3:
-                raise ValueError(
-                    f"zero config: '{name}' = {getattr(self, name)!r} needs 'stage' = 3 "
-                    f"(it changes how parameters are gathered); got stage {self.stage}"
-                )
-        if self.quantized_gradients and self.stage < 2:
-            raise ValueError(
-                f"zero config: 'quantized_gradients' = True needs 'stage' 2 or 3 "
-                f"(it replaces the gradient reduce-scatter); got stage {self.stage}"
-            )
-        if self.offload_optimizer != "none" and self.stage == 0:
-            raise ValueError(
-                f"zero config: 'offload_optimizer' = {self.offload_optimizer!r} needs 'stage' "
-                "1, 2 or 3 (stage 0 keeps no sharded optimizer to offload)"
-            )
-        if self.offload_optimizer == "nvme" and self.stage != 3:
-            raise ValueError(
-                f"zero config: 'offload_optimizer' = 'nvme' needs 'stage' = 3 (ZeRO-Infinity); "
-                f"got stage {self.stage}. Use 'cpu' for stages 1-2"
-            )
-        for tier in ("offload_param", "offload_optimizer"):
-            if getattr(self, tier) == "nvme" and not self.nvme_path_for(tier):
-                raise ValueError(
-                    f"zero config: '{tier}' = 'nvme' needs 'nvme_path' (or "
-                    f"'{tier}_nvme_path'): a directory on a fast local disk"
-                )
-        if (
-            isinstance(self.offload_optimizer_ratio, bool)
-            or not isinstance(self.offload_optimizer_ratio, (int, float))
-            or not 0.0 <= self.offload_optimizer_ratio <= 1.0
-        ):
-            raise ValueError(
-                f"zero config: 'offload_optimizer_ratio' = {self.offload_optimizer_ratio!r} must "
-                "be a number from 0 to 1 (the fraction of the optimizer kept on the host)"
-            )
-        if self.offload_optimizer_ratio != 1.0 and self.offload_optimizer != "cpu":
-            raise ValueError(
-                f"zero config: 'offload_optimizer_ratio' = {self.offload_optimizer_ratio} needs "
-                f"'offload_optimizer' = 'cpu' (partial offload); got "
-                f"{self.offload_optimizer!r}"
-            )
-        for name in ("offload_param_buffer_count", "offload_optimizer_buffer_count"):
-            at_least(name, getattr(self, name), 1)
-        at_least("nvme_io_threads", self.nvme_io_threads, 1)
+        check_offload_settings(self)
         at_least("pp_size", self.pp_size, 1)
         one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_microbatches is not None:
             at_least("pp_microbatches", self.pp_microbatches, 1)
-        if self.offload_param != "none" and self.stage != 3:
-            raise ValueError(
-                f"zero config: 'offload_param' = {self.offload_param!r} needs 'stage' = 3; "
-                f"got stage {self.stage}"
-            )
         check_sequence_settings(self)
 
 

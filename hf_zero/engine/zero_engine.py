@@ -26,6 +26,7 @@ from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine import checkpointing, pretrained_save
 from hf_zero.engine.full_state_dict import full_state_dict, saved_state_dict
 from hf_zero.engine.model_checks import check_materialized, check_same_model
+from hf_zero.engine.start_line import describe
 from hf_zero.engine.surface import Batch, Engine, loss_of, split_batch
 from hf_zero.numerics.packed import disable_cpu_repacking, is_packed, quant_state_tensors
 from hf_zero.numerics.precision import DTYPES, LossScaler
@@ -194,42 +195,7 @@ class ZeroEngine(Engine):
 
     def describe(self) -> str:
         """One line: stage, ranks, precision and what is switched on (printed at start)."""
-        config, topo, zpp = self.config, self.topology, self.zeropp
-        parts = [
-            f"stage {config.stage} over {topo.dp_size} data-parallel rank"
-            + ("s" if topo.dp_size > 1 else ""),
-            config.precision,
-            f"{topo.num_nodes} node(s) of {topo.node_size} rank(s)",
-            f"{len(self.groups)} trainable buckets"
-            if self.groups
-            else "evaluation only (no trainable parameters)",
-        ]
-        if self.tp:
-            parts.insert(3, f"tensor parallel {topo.tp_size} (AutoTP, {len(self.tp.plan)} modules)")
-        parts += self.sequence.describe() if self.sequence is not None else []
-        if config.offload_optimizer != "none" and config.offload_optimizer_ratio < 1.0:
-            host = [g for g in self.groups if g.offload]
-            share = sum(g.numel for g in host) / max(1, sum(g.numel for g in self.groups))
-            parts.append(
-                f"optimizer offloaded to cpu in part (ratio {config.offload_optimizer_ratio}: "
-                f"{len(host)} of {len(self.groups)} buckets, {share:.0%} of the elements)"
-            )
-        elif config.offload_optimizer != "none":
-            parts.append(f"optimizer offloaded to {config.offload_optimizer}")
-        if config.offload_param != "none":
-            parts.append(f"parameter shards offloaded to {config.offload_param}")
-        if zpp.quantized_weights:
-            parts.append(f"qwZ INT{zpp.weight_bits} weight gather")
-        if zpp.hpz is not None:
-            parts.append(f"hpZ secondary partition over {zpp.hpz.size} ranks")
-        if zpp.quantized_gradients:
-            ef = " with error feedback" if zpp.error_feedback else ""
-            parts.append(f"qgZ INT{zpp.gradient_bits} gradient all-to-all{ef}")
-        if zpp.quantized_nontrainable_weights:
-            frozen = sum(g.numel for g in self.frozen_groups)
-            kind = f"INT{zpp.weight_bits}" if zpp.frozen_format == "int" else zpp.frozen_format
-            parts.append(f"MixZ++ {kind.upper()} frozen weights ({frozen} elements)")
-        return ", ".join(parts)
+        return describe(self)
 
     # --- construction ------------------------------------------------------------------------
     def _apply_tensor_parallel(self, optimizer: torch.optim.Optimizer) -> None:

@@ -9,9 +9,9 @@ kind            the step                                                chosen w
                 updated
 `StreamedStep`  tiles streamed from swap files through a ring of         are in swap files
                 buffers, reads and writes overlapped with the update     (ZeRO-Infinity)
-`SplitStep`     `DeviceStep` over the device buckets, then `HostStep`    some on the device, the
-                over the host ones (a GPU runs the first while the CPU   rest in host memory
-                steps the second)                                        (partial offload)
+`SplitStep`     `DeviceStep` (or `StreamedStep`) over those buckets,     some on the device (or in
+                then `HostStep` over the host ones (a GPU runs the       swap files), the rest in
+                first while the CPU steps the second)                    host memory
 ==============  ======================================================  =======================
 
 `ShardedOptimizer` picks one at construction (`master_step`, from `MasterWeights.location`) and
@@ -104,12 +104,15 @@ class HostStep(MasterStep):
 
 
 class SplitStep(MasterStep):
-    """Partial offload (``offload_optimizer_ratio``): the device buckets' step is issued first,
-    bucket by bucket; on a GPU its kernels run while the CPU steps the host buckets."""
+    """Masters in two places, each part stepped by its own kind, ``first`` before ``host``.
+    Partial offload (``offload_optimizer_ratio``): the device buckets' step is issued first; on
+    a GPU its kernels run while the CPU steps the host buckets. ZeRO-Infinity with a host cache
+    (``offload_optimizer_max_in_cpu``): the buckets in swap files stream, then the cached ones
+    step in memory."""
 
-    def __init__(self, device: DeviceStep, host: HostStep) -> None:
-        super().__init__(host.optimizer, device.groups + host.groups)
-        self.device, self.host = device, host
+    def __init__(self, first: DeviceStep | StreamedStep, host: HostStep) -> None:
+        super().__init__(host.optimizer, first.groups + host.groups)
+        self.first, self.host = first, host
         self.fast_kernel = host.fast_kernel
 
     @property
@@ -121,7 +124,7 @@ class SplitStep(MasterStep):
         self.host.overlap_copy_back = on
 
     def __call__(self) -> None:
-        self.device()
+        self.first()
         self.host()
 
 
@@ -174,15 +177,19 @@ def master_step(
     """The step for where ``groups``' masters live (`MasterWeights.location`); ``fast_kernel``
     and ``buffer_count`` are the config's ``offload_optimizer_fast_kernel`` and
     ``offload_optimizer_buffer_count``."""
-    locations = {g.master_weights.location for g in groups if g.master_weights is not None}
-    if "nvme" in locations:
-        return StreamedStep(optimizer, groups, fast_kernel, buffer_count)
-    if locations == {"host", "device"}:
-        on_device = [g for g in groups if g.master_weights.location == "device"]
-        on_host = [g for g in groups if g.master_weights.location == "host"]
-        return SplitStep(
-            DeviceStep(optimizer, on_device), HostStep(optimizer, on_host, fast_kernel)
-        )
-    if "host" in locations:
-        return HostStep(optimizer, groups, fast_kernel)
-    return DeviceStep(optimizer, groups)
+    at: dict[str, list[FlatParamGroup]] = {}
+    for g in groups:
+        if g.master_weights is not None:
+            at.setdefault(g.master_weights.location, []).append(g)
+    kinds = {
+        "device": lambda part: DeviceStep(optimizer, part),
+        "host": lambda part: HostStep(optimizer, part, fast_kernel),
+        "nvme": lambda part: StreamedStep(optimizer, part, fast_kernel, buffer_count),
+    }
+    if len(at) == 2 and "host" in at:
+        (other,) = set(at) - {"host"}
+        return SplitStep(kinds[other](at[other]), kinds["host"](at["host"]))
+    if len(at) > 1:
+        raise NotImplementedError(f"hf_zero: master weights in {sorted(at)} at once")
+    (location,) = at or {"device"}
+    return kinds[location](groups)

@@ -155,11 +155,18 @@ class GroupBuilder:
         host = None
         if self.config.offload_optimizer == "cpu":
             host = HostShare(self.config.offload_optimizer_ratio, sum(map(true_numel, trainable)))
+        # offload_optimizer: nvme - the buckets whose shards fit stay in host memory instead.
+        cache = HostBudget(self.config.offload_optimizer_max_in_cpu)
         reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
 
         def make(
             pg_index: int | None, params: list, stage: int, packed: bool = False
         ) -> FlatParamGroup:
+            numel = sum(map(true_numel, params))
+            offload = pg_index is not None and host is not None and host.takes(numel)
+            swap = self.swaps.get("offload_optimizer") if pg_index is not None else None
+            if swap is not None and cache.take(-(-numel // self.topology.dp.size)):
+                swap, offload = None, True
             group = FlatParamGroup(
                 index=0,
                 param_group_index=pg_index,
@@ -171,15 +178,11 @@ class GroupBuilder:
                 shard_group=self.topology.dp,
                 rank=self.topology.rank,
                 comm=self.comm,
-                offload=pg_index is not None
-                and host is not None
-                and host.takes(sum(map(true_numel, params))),
+                offload=offload,
                 zeropp=self.zeropp,
                 param_tier=self.config.offload_param if stage == 3 else "none",
                 param_swap=self.nvme_params,
-                optimizer_swap=self.swaps.get("offload_optimizer")
-                if pg_index is not None
-                else None,
+                optimizer_swap=swap,
                 packed=packed,
             )
             for p in params:
