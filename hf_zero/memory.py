@@ -320,7 +320,8 @@ def infinity_bytes(
 ) -> dict[str, float]:
     """ZeRO-Infinity per rank (stage 3, ``offload_optimizer: nvme``; ``offload_param: nvme``
     too with ``offload_param``): swap-file bytes by kind (``nvme_*``, as `memory_report()` names
-    them, and ``nvme_total``), what stays in device memory (``params``: the parameter shards
+    them, and ``nvme_total``; fp32 parameter shards are kept in their masters' files, 16 bytes
+    per element on disk in all), what stays in device memory (``params``: the parameter shards
     unless offloaded; gradients are written out as they are reduced), and the host's I/O
     buffers at their fullest (``host_io_buffers``: the read-ahead of ``param_buffer_count``
     unit shards, and ``optimizer_buffer_count`` tile sets of master, gradient and two Adam
@@ -340,7 +341,8 @@ def infinity_bytes(
     streamed = P / N - held
     report = {
         "params": 0.0 if offload_param else b * P / N,
-        "nvme_params": b * P / N if offload_param else 0.0,
+        # fp32 parameters share the master's file where the master streams from disk.
+        "nvme_params": (4 * held if precision == "fp32" else b * P / N) if offload_param else 0.0,
         "nvme_master_weights": 4 * streamed,
         "nvme_grads": 4 * streamed,
         "nvme_optimizer_states": 8 * streamed,

@@ -9,7 +9,7 @@ one budget resumes exactly at another.
 
 import pytest
 import torch
-from helpers import train_zero
+from helpers import batch, train_zero
 from test_infinity import CLIP, GAS, STEPS, ZERO3, _cfg, _segment
 
 from hf_zero.config.zero_config import ZeroConfig
@@ -104,3 +104,49 @@ def test_the_optimizer_budget_is_checked():
         ZeroConfig(
             stage=3, offload_optimizer="nvme", nvme_path="/tmp", offload_optimizer_max_in_cpu=-1
         )
+
+
+def _one_file(nvme: str, precision: str) -> dict:
+    cfg = _cfg("nvme", "nvme", nvme)
+    _, _, engine = train_zero(1, GAS, CLIP, 3, precision=precision, **cfg)
+    swap = engine.swaps["offload_optimizer"]
+    before = dict(swap.stats)
+    for micro in range(GAS):
+        x = batch(torch.distributed.get_rank(), 1, micro)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    shard = sum(g.layout.shard_numel for g in engine.groups)
+    sharded = [g for g in engine.groups if g.tier is not None]  # small ones stay whole
+    out = {
+        "shared": [g.tier.shared for g in sharded],
+        "same_file": [g.tier.file is g.master_weights.swapped.files["master"] for g in sharded],
+        "master_files": sum(f.path.name.endswith(".master") for f in swap.files),
+        "whole_groups": len(engine.groups) - len(sharded),
+        "report": engine.memory_report(),
+        "shard_bytes": 4 * shard,
+        "written": swap.stats["write_bytes"] - before["write_bytes"],
+        "read": swap.stats["read_bytes"] - before["read_bytes"],
+        "padding": 4096 * len(engine.groups) * 8,
+    }
+    engine.close()
+    return out
+
+
+def test_fp32_parameters_and_masters_share_one_file(tmp_path):
+    """fp32 ``nvme``/``nvme``: a group's parameter shard and master are the same numbers, kept
+    in one file (16 bytes per element on disk: master = parameter, gradient, two moments); the
+    step writes each updated tile once, and gathers read the master's bytes. In bf16 the
+    parameter shard is its own 2-byte file."""
+    fp32 = run_distributed(_one_file, 2, args=(str(tmp_path), "fp32"))
+    bf16 = run_distributed(_one_file, 2, args=(str(tmp_path), "bf16"))
+    for r in fp32:
+        assert all(r["shared"]) and all(r["same_file"]), r
+        assert r["master_files"] == r["whole_groups"], r  # only groups with no parameter file
+        report, shard = r["report"], r["shard_bytes"]
+        assert report["nvme_params"] == 0, report  # counted once, as the master's
+        assert 0 <= report["nvme_total"] - 4 * shard <= r["padding"], (report, shard)
+        # A step writes each micro-batch's gradient sum, then the master (= the parameters)
+        # and two moments once: no separate parameter write.
+        assert 0 <= r["written"] - (GAS + 3) * shard <= r["padding"], r
+    for r in bf16:
+        assert not any(r["shared"]) and r["master_files"] == len(r["shared"]) + r["whole_groups"]

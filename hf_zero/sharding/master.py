@@ -27,7 +27,7 @@ from hf_zero.observe import clock
 from hf_zero.sharding.grad_intake import OWN_REGION, WHOLE_16BIT
 from hf_zero.sharding.grad_store import GradStore, start_copy
 from hf_zero.sharding.placement import Placement
-from hf_zero.storage.swap import SwapSpace
+from hf_zero.storage.swap import SwapFile, SwapSpace
 
 TILES_SENT = "tiles sent"
 """`updated`: the step already sent its values, tile by tile, to the placement."""
@@ -197,10 +197,12 @@ class SwappedMaster(HostMaster):
     location = "nvme"
     lands_early = True
 
-    def __init__(self, space: SwapSpace, values: torch.Tensor, world: int) -> None:
+    def __init__(
+        self, space: SwapSpace, values: torch.Tensor, world: int, file: SwapFile | None = None
+    ) -> None:
         from hf_zero.sharding.swapped_state import SwappedState
 
-        self.swapped = SwappedState(space, values, world)
+        self.swapped = SwappedState(space, values, world, file)
         empty = torch.empty(0, dtype=torch.float32, device="cpu")  # the bytes are in the files
         self.param = torch.nn.Parameter(empty, requires_grad=False)
         self.grads = self.swapped.grads
@@ -267,8 +269,8 @@ def master_weights(
 ) -> MasterWeights:
     """The master for one trainable group, from its initial fp32 shard ``values``.
     ``offload``: ``offload_optimizer`` (none, cpu, nvme)."""
-    if offload == "nvme":
-        return SwappedMaster(swap, values, world)
+    if offload == "nvme":  # fp32 parameters in a swap file there: one file for both
+        return SwappedMaster(swap, values, world, placement.master_file(swap) if fp32 else None)
     if offload == "cpu":
         return HostMaster(values, world, pin)
     alias = placement.master_view() if fp32 else None

@@ -22,6 +22,7 @@ import torch
 from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.sharding.tiers import Tier
+from hf_zero.storage.swap import SwapFile, SwapSpace
 
 
 class Placement:
@@ -44,6 +45,11 @@ class Placement:
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Replace this rank's stored shard (stage 3; the others hold ``flat_param`` itself)."""
+
+    def master_file(self, space: SwapSpace) -> SwapFile | None:
+        """A swap file in ``space`` that already holds this rank's shard in fp32, for a master
+        in swap files to keep its values in (one file, not two), or None."""
+        return None
 
     def staged_bytes(self) -> int:
         return 0
@@ -113,7 +119,10 @@ class ShardedParams(Placement):
         return (self.tier.data, True) if self.tier.in_device_memory else None
 
     def receive_tile(self, start: int, tile: torch.Tensor) -> None:
-        self.tier.write_(tile.to(self.dtype), start, non_blocking=True)
+        self.tier.take_step_tile(tile.to(self.dtype), start)
+
+    def master_file(self, space: SwapSpace) -> SwapFile | None:
+        return self.tier.share_with_master(space)
 
     def publish(self, updated: torch.Tensor | None, async_op: bool):
         if updated is None:

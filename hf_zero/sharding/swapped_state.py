@@ -25,16 +25,21 @@ from hf_zero.storage.swap import SwapFile, SwapSpace
 class SwappedState:
     """One trainable group's master shard, gradient and optimizer state in swap files."""
 
-    def __init__(self, space: SwapSpace, master: torch.Tensor, world: int) -> None:
+    def __init__(
+        self, space: SwapSpace, master: torch.Tensor, world: int, file: SwapFile | None = None
+    ) -> None:
+        """``file``: the parameter shard's swap file, which holds ``master`` already (fp32
+        parameters): the master's values live there, 16 bytes an element on disk, not 20."""
         self.space = space
         self.numel = master.numel()
-        self.files: dict[str, SwapFile] = {"master": space.file("master", self.numel * 4)}
+        self.files: dict[str, SwapFile] = {"master": file or space.file("master", self.numel * 4)}
         self.dtypes: dict[str, torch.dtype] = {"master": torch.float32}
         self.state_keys: list[str] = []
         """Elementwise optimizer state tensors kept in files (known after the first step)."""
         self.scalars: dict = {}
         """Scalar optimizer state (``step``), the same for every tile."""
-        self.write_master(master)
+        if file is None:
+            self.write_master(master)
         self.grads = SwappedGrads(self, world)
 
     # --- whole tensors (initialisation, checkpoints, consolidation) --------------------------

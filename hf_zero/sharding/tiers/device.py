@@ -30,6 +30,17 @@ class Tier:
         """Copy ``values`` into elements ``[start, start + len)`` of the shard."""
         raise NotImplementedError
 
+    def take_step_tile(self, values: torch.Tensor, start: int) -> None:
+        """The optimizer step updated elements ``[start, start + len)``: copy them in (the NVMe
+        tier skips its disk write when the step's master file is its file)."""
+        self.write_(values, start, non_blocking=True)
+
+    def share_with_master(self, space) -> object | None:
+        """The swap file holding this shard in fp32 when a master in swap space ``space`` may
+        keep its values there too (then the step's tiles are written once, by the master), or
+        None: only `NvmeTier` has one."""
+        return None
+
     def flush(self) -> None:
         """Wait for writes started with ``non_blocking=True`` (device copies are stream-ordered,
         so only the NVMe tier has any)."""

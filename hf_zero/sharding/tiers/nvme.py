@@ -22,7 +22,7 @@ import torch
 from hf_zero.observe import clock
 from hf_zero.sharding.tiers.device import Tier
 from hf_zero.storage.host_budget import HostBudget
-from hf_zero.storage.swap import ALIGN, SwapSpace
+from hf_zero.storage.swap import ALIGN, SwapFile, SwapSpace
 
 
 @dataclass
@@ -51,6 +51,8 @@ class NvmeTier(Tier):
         if context.cache.take(self.numel):
             self.cached = self.swap.buffer(self.numel, self.dtype)
         self._copied = None  # CUDA: the event after the last copy out of the cache
+        self.shared = False
+        """The group's fp32 master lives in this file too (`share_with_master`)."""
         self.stats = {"reads": 0, "read_ahead_hits": 0, "cache_hits": 0}
         """Shard fetches for gathers, how many of the disk reads had been started ahead
         (`prefetch`), and how many came from the cache instead."""
@@ -104,6 +106,22 @@ class NvmeTier(Tier):
         if not non_blocking:
             self.flush()
 
+    def share_with_master(self, space: SwapSpace) -> SwapFile | None:
+        if space is not self.swap or self.dtype != torch.float32:
+            return None  # another disk, or 16-bit parameters: not the master's numbers
+        self.shared = True
+        return self.file
+
+    def take_step_tile(self, values: torch.Tensor, start: int) -> None:
+        if not self.shared:
+            return self.write_(values, start, non_blocking=True)
+        # The step writes these bytes to this file as the master's; keep the cache equal.
+        self._drop_read()
+        if self.cached is not None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self.cached[start : start + values.numel()].copy_(values)
+
     def flush(self) -> None:
         """Wait for every write started so far."""
         writes, self._writes = self._writes, []
@@ -118,4 +136,5 @@ class NvmeTier(Tier):
     def held_bytes(self) -> dict[str, int]:
         resident = self.numel * self.itemsize if self._read is not None else 0
         cached = self.numel * self.itemsize if self.cached is not None else 0
-        return {self.kind: self.file.nbytes, "host_params": resident + cached}
+        on_disk = 0 if self.shared else self.file.nbytes  # counted as the master's
+        return {self.kind: on_disk, "host_params": resident + cached}
