@@ -276,12 +276,14 @@ def estimate(
 def working_set_bytes(shape: ModelShape, stage: int, precision: str, tp_size: int = 1) -> float:
     """Stage 3 gathers a unit whole: the running one plus one prefetched, the running unit's
     full gradient before its reduce-scatter, and the root unit (embeddings, head) for the whole
-    forward and backward. Stages 0-2 keep everything whole already."""
+    forward and backward, with its full gradient from the head's backward to the end (the root
+    is reduced last). Stages 0-2 keep everything whole already."""
     if stage != 3:
         return 0.0
     split_fraction = shape.tp_split_params / shape.params if shape.params else 0.0
     per_rank = 1 - split_fraction + split_fraction / tp_size
-    return BYTES[precision] * (3 * shape.largest_unit_params + shape.root_unit_params) * per_rank
+    units = 3 * shape.largest_unit_params + 2 * shape.root_unit_params
+    return BYTES[precision] * units * per_rank
 
 
 def activation_bytes(
@@ -325,8 +327,9 @@ def infinity_bytes(
     unless offloaded; gradients are written out as they are reduced), and the host's I/O
     buffers at their fullest (``host_io_buffers``: the read-ahead of ``param_buffer_count``
     unit shards, and ``optimizer_buffer_count`` tile sets of master, gradient and two Adam
-    moments in fp32). ``working_set`` adds stage 3's gathered units (`working_set_bytes`) and
-    the prefetch budget (``prefetch_bucket_size`` elements in the compute dtype).
+    moments in fp32). ``working_set`` adds stage 3's gathered units (`working_set_bytes`), the
+    prefetch budget (``prefetch_bucket_size`` elements in the compute dtype) and one reduction
+    in flight.
     ``param_cache_numel`` (``offload_param_max_in_cpu``): that many elements of the rank's
     parameter shards kept in host memory too (``host_param_cache``, counted in the host column,
     an upper bound: only whole shards are cached). ``optimizer_cache_numel``
@@ -358,6 +361,9 @@ def infinity_bytes(
     # The reduce-scatter output of the reduction in flight (one unit's with reduce_bucket_size
     # `auto`, h^2 elements; more units' with a larger one) until it is written out.
     in_flight = b * unit_shard
+    # An upper bound: backward's gathered units and gradients, reads ahead and reductions in
+    # flight, and the step's tile sets, as if all were alive at once (measured, the whole-run
+    # peak is above either phase's part alone).
     report["working_set"] = (
         working_set_bytes(shape, 3, precision)
         + b * prefetch_bucket_size
