@@ -4,45 +4,35 @@ trains, its tokens/s, its loss against the run without SP, hf_zero against DeepS
     OMP_NUM_THREADS=1 PYTHONPATH=/work/ds python benchmarks/bench_long_context.py \\
         [--ranks 2,4] [--budget-gib 2] [--configs default|full|NAME,...] [--resolution 4] [--quick]
 
-The model: a LLaMA of about 100M parameters (hidden 768, 8 layers, 12 query / 4 kv heads, MLP
-2048, untied 32K vocabulary; `long_context_rank.SHAPE_FLAGS`), ZeRO-3, fp32, micro-batch 1,
-AdamW lr 1e-4, the same seed and batches everywhere. Every probe is a fresh run of one
-configuration (`CONFIGS`) on ``--ranks`` ranks (`common.launch_ranks`, gloo, one thread per
-rank): ``--warmup`` + ``--steps`` optimizer steps (1 + 1: the second step is the first with the
-optimizer's states, so it holds the run's peak) on one sequence per data-parallel replica. It
-trains if it completes and the largest per-rank VmHWM (peak RSS over the whole run, from process
-start: imports, model build, `initialize`, steps) is within ``--budget-gib``. A watcher here
-polls every rank's VmRSS and kills the run once one exceeds the budget (or ``--run-timeout``),
-so no probe can take the machine's memory, and one that does not fit costs little.
+The model: a LLaMA of about 100M parameters (`long_context_rank.SHAPE_FLAGS`: hidden 768, 8
+layers, 12/4 heads, MLP 2048, untied 32K vocabulary), ZeRO-3, fp32, micro-batch 1, AdamW lr 1e-4,
+the same seed and batches everywhere. Every probe is a fresh run of one configuration
+(`CONFIGS`) on ``--ranks`` ranks (`common.launch_ranks`, gloo): ``--warmup`` + ``--steps``
+optimizer steps (1 + 1: the second holds the run's peak) on one sequence per replica. It trains
+if it completes with every rank's VmHWM (whole run, from process start) within ``--budget-gib``;
+a watcher kills the run once a rank's VmRSS exceeds it (or ``--run-timeout``).
 
-The search: from ``--start`` tokens, double until a length does not train, then bisect down to
-``1/--resolution`` of the last length that did (multiples of 64). A configuration that needs no
-more memory than an earlier one at every length (`WEAKER`) starts from the largest
-``start * 2^k`` within that one's longest, and halves when that does not train. hf_zero's SP
-configuration and DeepSpeed's (`PARTNERS`) are searched in lockstep, one run of each in turn.
+The search: from ``--start`` tokens, double until a length does not train, then bisect to
+``1/--resolution`` of the last that did (multiples of 64); a configuration never needing more
+memory than another (`WEAKER`) starts within that one's longest. hf_zero's SP configuration and
+DeepSpeed's (`PARTNERS`) are searched in lockstep, one run of each in turn.
 
-Reported per configuration: the longest sequence, its tokens/s (the tokens of all replicas per
-optimizer step over the timed step; the median over the runs at that length), its peak, and for
-SP the relative difference of its first step's loss (sequence 0, before any update) from the loss
-without SP (one process, the same weights, no engine: `long_context_rank.reference`); "x ckpt":
-the longest over ZeRO-3 + checkpointing's at the same rank count.
+Reported per configuration: the longest sequence, its tokens/s (all replicas' tokens per timed
+optimizer step, median over the runs at that length), its peak, for SP the relative difference
+of its first step's loss from one process without SP (`long_context_rank.reference`), and "x
+ckpt": the longest over ZeRO-3 + checkpointing's at the same rank count.
 
-hf_zero against DeepSpeed ALST (`long_context_rank_deepspeed.py`: its Ulysses SP, TiledMLP and
-tiled logits loss, checkpointing, ZeRO-3; the same model, batches, buckets and tiles), `compare`:
-at every length up to the shorter longest that either trained, both run, ``--repeats`` more
-pairs alternating (hf_zero, DeepSpeed) at the longest two, as other work shares the cores: the
-median of the pairwise tokens/s and peak ratios (``--lengths``: no search, every configuration
-in turn at each length, ``--repeats`` rounds, the same ratios). The default set (`DEFAULT`) and
-budget take about an hour on 2 cores (4 ranks share them: their steps are the slow part);
-``--configs full`` adds every configuration at both rank counts. Writes
-``--out/bench_long_context.json`` (every run, also as it goes: ``runs.json``) and a plot of peak
-RSS against sequence length per configuration (``.png``, where matplotlib imports); each run's
-output goes to ``--out/logs``. Timings are never asserted anywhere.
+hf_zero against DeepSpeed ALST (`long_context_rank_deepspeed.py`: Ulysses SP, TiledMLP, tiled
+logits loss, checkpointing, ZeRO-3; the same model, batches, buckets and tiles), `compare`: at
+every length up to the shorter longest both run, ``--repeats`` more alternating pairs at the
+longest two; the medians of the pairwise tokens/s and peak ratios (``--lengths``: no search,
+every configuration at each length, ``--repeats`` rounds). The default set takes about an hour
+on 2 cores; ``--configs full`` adds every configuration at both rank counts. Writes
+``--out/bench_long_context.json`` (also ``runs.json`` as it goes), a plot of peak RSS against
+length (``.png``) and each run's output in ``--out/logs``. Timings are never asserted.
 
-``--allocator unmap`` (the default) gives both engines the same glibc setting: hf_zero's
-``host_memory: unmap`` and, for DeepSpeed, the same ``mallopt`` just before its ``initialize``
-(`long_context_rank.unmap_large_frees`); ``default`` leaves glibc's dynamic mmap threshold,
-under which the memory backward frees stays in the heap and sets the peak.
+``--allocator unmap`` (default): both engines free large buffers to the OS at once (hf_zero's
+``host_memory: unmap``, DeepSpeed `long_context_rank.unmap_large_frees`); ``default``: glibc's.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ import json
 import sys
 from pathlib import Path
 
+STORAGE_16BIT = {"stage 3 bf16 16-bit"}
+"""Configurations with bf16 master weights and optimizer state (``master_weights_dtype``,
+``optimizer_states_dtype``)."""
 CONFIGS = {
     "stage 1 fp32": (1, "fp32", False),
     "stage 2 fp32": (2, "fp32", False),
@@ -43,6 +46,7 @@ CONFIGS = {
     "stage 3 bf16": (3, "bf16", False),
     "stage 2 bf16 offload": (2, "bf16", True),
     "stage 3 bf16 offload": (3, "bf16", True),
+    "stage 3 bf16 16-bit": (3, "bf16", False),
 }
 
 
@@ -106,6 +110,7 @@ def worker(args) -> dict:
     from hf_zero.memory import activation_bytes, estimate, shape_of, working_set_bytes
 
     stage, precision, offload = CONFIGS[args.worker]
+    compact = args.worker in STORAGE_16BIT
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = model_config(args)
@@ -129,6 +134,11 @@ def worker(args) -> dict:
         precision=precision,
         offload_optimizer="cpu" if offload else "none",
         reduce_bucket_size=args.reduce_bucket_size,
+        **(
+            dict.fromkeys(("master_weights_dtype", "optimizer_states_dtype"), "bf16")
+            if compact
+            else {}
+        ),
     )
     gc.collect()
     readings["initialized"] = proc_status()  # VmHWM here: the peak of initialize()
@@ -157,7 +167,7 @@ def worker(args) -> dict:
     trim()
     readings["between_trimmed"] = proc_status()
     reports["between"] = engine.memory_report()
-    common = dict(precision=precision, offload=offload)
+    common = dict(precision=precision, offload=offload, storage_16bit=compact)
     est_peak = estimate(shape, world, stage, **common)
     est_between = estimate(shape, world, stage, between_steps=True, **common)
     work = working_set_bytes(shape, stage, precision)
@@ -248,7 +258,9 @@ def table(rows: dict[str, dict], params: int) -> str:
     ]
     for name, w in rows.items():
         stage, precision, offload = CONFIGS[name]
-        text = formula(stage, precision, offload) + (" + host 16P/N" if offload else "")
+        compact = name in STORAGE_16BIT
+        text = formula(stage, precision, offload, storage_16bit=compact)
+        text += " + host 16P/N" if offload else ""
         p, b = w["peak"], w["between"]
         hwm = " / ".join(
             f"{w[k]['rss_growth'] / 1e6:.0f}"

@@ -171,16 +171,21 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         f"{'stage':>5} {'offload':>9} {'device GiB':>11} {'host GiB':>9} {'+ working set':>14} "
         f"{'hf_zero':>12} {'ZeRO paper':>11}"
     )
-    # (stage, offload_optimizer, offload_param): the last row is ZeRO-Infinity's CPU tier
-    rows = [(0, False, False)] + [(s, o, False) for s in (1, 2, 3) for o in (False, True)]
-    for stage, offload, offload_param in [*rows, (3, True, True)]:
+    # (stage, offload_optimizer, offload_param, 16-bit storage): then ZeRO-Infinity's CPU tier;
+    # bf16 runs add the rows with bf16 master weights and optimizer state
+    rows = [(0, False, False, False)]
+    rows += [(s, o, False, False) for s in (1, 2, 3) for o in (False, True)]
+    rows += [(3, True, True, False)]
+    rows += [(s, False, False, True) for s in (1, 2, 3)] if args.precision == "bf16" else []
+    for stage, offload, offload_param, compact in rows:
         m = estimate(
             shape, args.dp, stage, args.precision, offload, args.tp, args.hpz, frozen,
             args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param,
+            storage_16bit=compact,
         )  # fmt: skip
         work = working_set_bytes(shape, stage, args.precision, args.tp)
-        label = "opt+param" if offload_param else str(offload)
-        hf = formula(stage, args.precision, offload, gas, offload_param)
+        label = "opt+param" if offload_param else "bf16 opt" if compact else str(offload)
+        hf = formula(stage, args.precision, offload, gas, offload_param, compact)
         # Stage 3's working set needs the layer sizes (--model / --model-config).
         known = stage < 3 or shape.largest_unit_params
         work_text = f"{work / gib:>14.2f}" if known else f"{'unknown':>14}"

@@ -52,10 +52,13 @@ def model_state_bytes(
     gradient_accumulation_steps: int = 1,
     between_steps: bool = False,
     offload_param: bool = False,
+    storage_16bit: bool = False,
 ) -> dict[str, float]:
     """Estimated bytes per rank by kind, named as in `ZeroEngine.memory_report`, at the
     model-state peak (or, ``between_steps``, after the optimizer step). ``offload_param``
-    (stage 3) moves the parameter shards to ``host_params``."""
+    (stage 3) moves the parameter shards to ``host_params``. ``storage_16bit``
+    (``master_weights_dtype`` and ``optimizer_states_dtype`` bf16, bf16 runs on the device):
+    the parameters are the master, and the optimizer state is kept in half the bytes."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage = {stage!r}; allowed: 0, 1, 2, 3")
     if precision not in BYTES:
@@ -73,6 +76,11 @@ def model_state_bytes(
         "master_weights": 0.0 if precision == "fp32" and not offload_param else 4 * shard,
         "optimizer_states": optimizer_bytes_per_param * shard,
     }
+    if storage_16bit:
+        if precision != "bf16" or offload or offload_param:
+            raise ValueError("storage_16bit needs precision bf16 and no offload")
+        report["master_weights"] = 0.0
+        report["optimizer_states"] /= 2
     kinds = ("host_params", "host_grads", "host_master_weights", "host_optimizer_states")
     host = dict.fromkeys(kinds, 0.0)
     if offload_param:
@@ -109,10 +117,12 @@ def formula(
     offload: bool = False,
     gradient_accumulation_steps: int = 1,
     offload_param: bool = False,
+    storage_16bit: bool = False,
 ) -> str:
     """hf_zero's device model states for ``stage`` as text (``"2P + 14P/N"``), read off
     `model_state_bytes` itself so the two cannot disagree."""
     kw = dict(gradient_accumulation_steps=gradient_accumulation_steps, offload_param=offload_param)
+    kw["storage_16bit"] = storage_16bit
     one = model_state_bytes(1, 1, stage, precision, offload, **kw)
     two = model_state_bytes(1, 2, stage, precision, offload, **kw)
     one, two = one["total"], two["total"]
@@ -215,6 +225,7 @@ def estimate(
     gradient_accumulation_steps: int = 1,
     between_steps: bool = False,
     offload_param: bool = False,
+    storage_16bit: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes by kind (as `ZeroEngine.memory_report` names them) for a whole model.
 
@@ -236,6 +247,7 @@ def estimate(
         gradient_accumulation_steps=gradient_accumulation_steps,
         between_steps=between_steps,
         offload_param=offload_param,
+        storage_16bit=storage_16bit,
     )
     kind = "int8" if mixz is True else mixz or None
     if kind is not None and kind not in FROZEN_FORMAT_BYTES:

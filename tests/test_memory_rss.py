@@ -5,8 +5,8 @@ rank, ``OMP_NUM_THREADS=1``), builds a LLaMA-style model from config (stage 3 in
 `hf_zero.partitioned_init()`), calls `initialize()` and trains 2 steps, reading ``VmRSS`` /
 ``VmHWM`` from ``/proc/self/status``. Here at 110M parameters (hidden 768, 12 layers, vocabulary
 32000), the issue's "at least 100M", with 4 tokens per step (activations are not what this
-measures, and bf16 matmuls are slow on CPUs without bf16 instructions): four configurations take
-about 80 s on the 2-core CI machine (docs/BENCHMARKS.md has the table for every configuration,
+measures, and bf16 matmuls are slow on CPUs without bf16 instructions): five configurations take
+about 100 s on the 2-core CI machine (docs/BENCHMARKS.md has the table for every configuration,
 from the same script).
 
 Asserted: the RSS growth from before the model is built, at the model-state peak (after the
@@ -41,7 +41,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ["stage 1 bf16", "stage 2 bf16", "stage 3 bf16", "stage 3 bf16 offload"]
+CONFIGS = [
+    "stage 1 bf16",
+    "stage 2 bf16",
+    "stage 3 bf16",
+    "stage 3 bf16 offload",
+    "stage 3 bf16 16-bit",
+]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")

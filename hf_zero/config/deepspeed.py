@@ -120,6 +120,8 @@ KEYS: dict[str, Fate] = {
     "bf16.immediate_grad_update": Fate(
         INHERENT, "gradients are reduced into fp32 as each bucket fills, during backward"
     ),
+    "bf16.bf16_master_weights_and_grads": _h("master_weights_dtype", True),
+    "bf16.bf16_optimizer_states": _h("optimizer_states_dtype", True),
     "bf16.check_grad_overflow": Fate(
         NO_EFFECT, "bf16 needs no loss scaling; non-finite gradients are not skipped", _truthy
     ),
@@ -409,6 +411,9 @@ def from_deepspeed(raw: Mapping) -> dict[str, Any]:
             values[field] = dict(value) if isinstance(value, Mapping) else value
     if "allow_untested_optimizer" in values:
         values["allow_untested_optimizer"] = bool(values["allow_untested_optimizer"])
+    for field in ("master_weights_dtype", "optimizer_states_dtype"):  # true/false -> a dtype
+        if field in values:
+            values[field] = "bf16" if values[field] is True else "fp32"
     if "communication_data_type" in values:
         values["communication_data_type"] = _dtype(values["communication_data_type"])
     _precision(raw, values)

@@ -3,7 +3,7 @@ the value and what is allowed."""
 
 from __future__ import annotations
 
-from hf_zero.config.checks import at_least
+from hf_zero.config.checks import AUTO, at_least, one_of
 
 
 def check_offload_settings(config) -> None:
@@ -53,3 +53,29 @@ def check_offload_settings(config) -> None:
             f" needs 'offload_optimizer' = 'nvme' (it caps what stays in host memory of an "
             f"optimizer in swap files); got {config.offload_optimizer!r}"
         )
+
+
+def check_storage_dtypes(config) -> None:
+    """``master_weights_dtype`` / ``optimizer_states_dtype``: 16-bit storage of what the step
+    keeps, on the device, where the step is `DeviceStep`'s."""
+    for key in ("master_weights_dtype", "optimizer_states_dtype"):
+        value = getattr(config, key)
+        one_of(key, value, ("fp32", "bf16"))
+        if value == "fp32":
+            continue
+        if config.precision not in ("bf16", AUTO):
+            raise ValueError(
+                f"zero config: '{key}' = 'bf16' needs 'precision' = 'bf16' (16-bit storage of "
+                f"a bf16 run's step); got {config.precision!r}"
+            )
+        if config.offload_optimizer != "none":
+            raise NotImplementedError(
+                f"hf_zero: '{key}' = 'bf16' with 'offload_optimizer' = "
+                f"{config.offload_optimizer!r} is not implemented: offloaded steps keep fp32 "
+                "state (16-bit storage runs on the device only); set one of them back"
+            )
+        if config.pp_size > 1:
+            raise NotImplementedError(
+                f"hf_zero: '{key}' = 'bf16' with 'pp_size' = {config.pp_size} is not "
+                "implemented: the pipeline's optimizer keeps fp32 masters"
+            )

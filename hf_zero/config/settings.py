@@ -78,6 +78,18 @@ SETTINGS: tuple[Setting, ...] = (
         "'cpu' or 'nvme' (stage 3): parameter shards there",
         ("offload_param",),
     ),
+    Setting(
+        "master_weights_dtype",
+        str,
+        str,
+        "'bf16' (bf16 runs): the bf16 parameters are the master weights, no fp32 copy",
+    ),
+    Setting(
+        "optimizer_states_dtype",
+        str,
+        str,
+        "'bf16' (bf16 runs): Adam's moments kept in bf16 between steps",
+    ),
     Setting("nvme_path", str, str, "directory for NVMe swap files (ZeRO-Infinity)", ("nvme_path",)),
     Setting("quantized_weights", bool, parse_bool, "ZeRO++ qwZ: INT8 weight all-gather (stage 3)"),
     Setting(

@@ -20,8 +20,9 @@ from typing import Any
 
 from hf_zero.config.checks import AUTO, at_least, int_or_auto, one_of, suggest
 from hf_zero.config.files import read_mapping
-from hf_zero.config.offload import check_offload_settings
+from hf_zero.config.offload import check_offload_settings, check_storage_dtypes
 from hf_zero.config.sequence import check_sequence_settings
+from hf_zero.config.world import check_batch_sizes, check_world
 from hf_zero.config.zeropp import check_zeropp_settings
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -56,9 +57,16 @@ class ZeroConfig:
     """0: data parallel (all-reduce); 1: + optimizer state sharded; 2: + gradients; 3: + parameters."""
     precision: str = "fp32"
     """Compute dtype of the model: ``fp32``, ``bf16`` or ``fp16`` (or ``"auto"``: from the
-    training arguments, else fp32). Master weights are always fp32."""
+    training arguments, else fp32). Master weights are fp32 (see ``master_weights_dtype``)."""
     communication_data_type: str | None = None
     """dtype gradients are reduced in; ``None`` means the compute dtype."""
+    master_weights_dtype: str = "fp32"
+    """``bf16`` (with ``precision: bf16``, no offload): the bf16 parameters are the master
+    weights, no fp32 copy (2 bytes per parameter less per rank's shard; each step computes in
+    fp32 one bucket at a time and rounds back). DeepSpeed's ``bf16_master_weights_and_grads``."""
+    optimizer_states_dtype: str = "fp32"
+    """``bf16``: elementwise optimizer state (Adam's moments) kept in bf16 between steps,
+    widened to fp32 for each bucket's step. DeepSpeed's ``bf16.bf16_optimizer_states``."""
 
     # --- fp16 dynamic loss scaling (DeepSpeed's ``fp16`` section) ------------------------------
     loss_scale: float = 0.0
@@ -342,46 +350,12 @@ class ZeroConfig:
 
     def check_batch_sizes(self, world_size: int) -> None:
         """Raise if train_batch_size != micro_batch * gradient_accumulation_steps * dp world."""
-        tb, mb, gas = (
-            self.train_batch_size,
-            self.train_micro_batch_size_per_gpu,
-            self.gradient_accumulation_steps,
-        )
-        all_known = all(isinstance(v, int) for v in (tb, mb, gas))
-        if all_known and tb != mb * gas * world_size:
-            raise ValueError(
-                f"zero config: 'train_batch_size' = {tb} must equal "
-                f"train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas})"
-                f" x data-parallel world size ({world_size}) = {mb * gas * world_size}"
-            )
+        check_batch_sizes(self, world_size)
 
     def check_world(self, world_size: int) -> None:
         """Raise what `initialize` would refuse for ``world_size`` processes, before any model
-        exists: ``tp_size`` and ``hpz_partition_size`` must divide the ranks they split, and
-        the batch sizes must agree."""
-        if world_size % self.tp_size:
-            raise ValueError(
-                f"zero config: 'tp_size' = {self.tp_size} must divide the number of processes "
-                f"({world_size})"
-            )
-        if world_size % (self.tp_size * self.pp_size):
-            raise ValueError(
-                f"zero config: 'pp_size' = {self.pp_size} x 'tp_size' = {self.tp_size} must "
-                f"divide the number of processes ({world_size})"
-            )
-        dp_size = world_size // (self.tp_size * self.pp_size)
-        if dp_size % self.sp_size:
-            raise ValueError(
-                f"zero config: 'sp_size' = {self.sp_size} must divide the number of processes "
-                f"({world_size})"
-            )
-        hpz = self.hpz_partition_size
-        if hpz != AUTO and dp_size % hpz:
-            raise ValueError(
-                f"zero config: 'hpz_partition_size' = {hpz} must divide the data-parallel size "
-                f"({dp_size} = {world_size} processes / tp_size {self.tp_size})"
-            )
-        self.check_batch_sizes(dp_size // self.sp_size)
+        exists (`hf_zero.config.world.check_world`)."""
+        check_world(self, world_size)
 
     @property
     def frozen_format(self) -> str | None:
@@ -468,6 +442,7 @@ class ZeroConfig:
                 '{"type": "AdamW", "params": {"lr": 1e-4}}'
             )
         check_offload_settings(self)
+        check_storage_dtypes(self)
         at_least("pp_size", self.pp_size, 1)
         one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_microbatches is not None:

@@ -117,6 +117,7 @@ def _changes_at(d: Diagnosis, now: dict[str, int], budget: Budget) -> list[Chang
         add("stage 3", "shard the parameters too (ZeRO-3)", ["--zero_stage", "3"], objects,
             step, f"{mib(p - objects['params'])} of parameters", [note])  # fmt: skip
     _offload(d, now, stage, add)
+    _storage_16bit(d, now, add)
     _frozen_base(d, now, stage, n, add)
     activation_changes(d, now, units, budget, add)
     _tensor_parallel(d, now, budget, add)
@@ -159,6 +160,29 @@ def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
             [ONE_POOL])  # fmt: skip
     if stage == 3 and d.config.get("offload_param") in (None, "none"):
         _offload_param(d, now, add)
+
+
+def _storage_16bit(d: Diagnosis, now: dict, add) -> None:
+    """bf16 runs whose peak holds fp32 master weights or optimizer state on the device: keep
+    both in bf16 (the bf16 parameters are the master; Adam's moments halve). Each bucket's step
+    widens its part to fp32 and back: one bucket's fp32 copy at a time, not counted."""
+    c = d.config
+    m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
+    if c.get("precision") != "bf16" or c.get("offload_optimizer") not in (None, "none"):
+        return
+    if (c.get("pp_size") or 1) > 1 or not m + o:
+        return
+    on = c.get("master_weights_dtype") == "bf16", c.get("optimizer_states_dtype") == "bf16"
+    if all(on):
+        return
+    objects = dict(now, master_weights=0, optimizer_states=o if on[1] else o // 2)
+    # Widening and narrowing read and write the state once more per step: memory-bound.
+    extra = 3 * (m + o) / (ASSUMED["copy_gbytes_per_s"] * 1e9)
+    flags = ["--zero_master_weights_dtype", "bf16", "--zero_optimizer_states_dtype", "bf16"]
+    add("storage_16bit", "bf16 master weights and optimizer state (fp32 arithmetic per bucket)",
+        flags, objects, d.step_s + extra,
+        f"{mib(sum(now.values()) - sum(objects.values()))} of fp32 masters and Adam state",
+        ["loss within 1% of fp32 masters over 200 steps (tests/test_storage_16bit.py)"])  # fmt: skip
 
 
 def _offload_param(d: Diagnosis, now: dict, add) -> None:

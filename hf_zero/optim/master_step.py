@@ -52,7 +52,8 @@ class DeviceStep(MasterStep):
     temporaries (foreach AdamW makes one the size of everything it steps) are one bucket's, not
     the whole shard's. The optimizer's ``step()`` (and its hooks) runs once per bucket, with
     ``param_groups`` narrowed to that bucket's master; elementwise optimizers compute exactly
-    what one call over all buckets would."""
+    what one call over all buckets would. A master kept in 16 bits (or with 16-bit optimizer
+    state) is stepped in fp32 on a one-bucket copy (`MasterWeights.stepped`)."""
 
     offload = False
 
@@ -64,9 +65,10 @@ class DeviceStep(MasterStep):
                 if not g.grads.materialize():
                     continue  # no gradient anywhere: skipped, as torch skips grad None
                 param_group = param_groups[g.param_group_index]
-                param_group["params"] = [g.master]
-                optimizer.param_groups = [param_group]
-                optimizer.step()
+                with g.master_weights.stepped(optimizer) as param:  # fp32, for 16-bit storage
+                    param_group["params"] = [param]
+                    optimizer.param_groups = [param_group]
+                    optimizer.step()
                 g.grads.release()
         finally:
             optimizer.param_groups = param_groups

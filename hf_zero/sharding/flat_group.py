@@ -52,6 +52,8 @@ The group is the *when*; small objects chosen once, at construction, hold the *h
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from hf_zero.comm import Collectives, ZeroPPSettings
@@ -73,7 +75,8 @@ class FlatParamGroup:
 
     ``param_tier`` (stage 3) names where the shard lives (`hf_zero.sharding.tiers.PARAM_TIERS`);
     ``param_swap`` (`NvmeParams`: swap space and host budget) and ``optimizer_swap`` (a swap
-    space) serve the NVMe tiers.
+    space) serve the NVMe tiers. ``compact_master``: the 16-bit parameters are the master
+    (`CompactMaster`); ``state_dtype``: elementwise optimizer state kept in that dtype.
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class FlatParamGroup:
         param_swap: NvmeParams | None = None,
         optimizer_swap: SwapSpace | None = None,
         packed: bool = False,
+        compact_master: bool = False,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.zeropp = zpp = zeropp or ZeroPPSettings()
@@ -126,6 +131,8 @@ class FlatParamGroup:
             self.master_weights = master_weights(
                 initial[shard[0] : shard[1]], self.placement, dtype == torch.float32,
                 shard_group.size, offload_to, optimizer_swap, pin=self.device.type == "cuda",
+                compact=compact_master, state_dtype=state_dtype,
+                salt=zlib.crc32("\n".join(names).encode()) * 4096 + self.shard_index,
             )  # fmt: skip
         del initial
         self.gather_codec = self.exact_gather = self._gathering_with = self._gather_work = None

@@ -184,6 +184,10 @@ class GroupBuilder:
                 param_swap=self.nvme_params,
                 optimizer_swap=swap,
                 packed=packed,
+                compact_master=self.config.master_weights_dtype == "bf16",
+                state_dtype=torch.bfloat16
+                if self.config.optimizer_states_dtype == "bf16"
+                else None,
             )
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()

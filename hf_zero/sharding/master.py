@@ -11,7 +11,13 @@ kind               this rank's master shard                          chosen when
 `HostMaster`       an fp32 copy in host memory (ZeRO-Offload)        ``offload_optimizer: cpu``
 `SwappedMaster`    in swap files, with its gradient and optimizer    ``offload_optimizer: nvme``
                    state (ZeRO-Infinity)
+`CompactMaster`    is the parameters' own 16-bit values; each step   ``master_weights_dtype:
+                   computes in fp32 on a one-bucket copy             bf16`` (no offload)
 =================  ================================================  ==========================
+
+Optimizer state may be stored in 16 bits too (``optimizer_states_dtype: bf16``, any kind kept in
+device memory): the step then widens one bucket's state to fp32, steps, and narrows it back, so
+the optimizer's arithmetic is fp32 and only what is kept between steps is 16-bit.
 
 The group picks one at construction (`master_weights`) and never asks which it has. A master
 hands the parameters' side (`hf_zero.sharding.placement`) either a shard of updated values, or
@@ -21,8 +27,12 @@ nothing (`updated` returns None: the step already changed the parameters), or
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
+from hf_zero.numerics.rounding import to_bf16_stochastic
 from hf_zero.observe import clock
 from hf_zero.sharding.grad_intake import OWN_REGION, WHOLE_16BIT
 from hf_zero.sharding.grad_store import GradStore, start_copy
@@ -78,6 +88,28 @@ class MasterWeights:
     def send_tile(self, start: int, end: int, values, placement: Placement) -> None:
         raise RuntimeError(f"hf_zero: a {type(self).__name__} sends no tiles (offload only)")
 
+    # --- the step ---------------------------------------------------------------------------
+    state_dtype: torch.dtype | None = None
+    """Elementwise optimizer state is kept in this dtype between steps (None: as the optimizer
+    makes it)."""
+
+    @contextmanager
+    def stepped(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
+        """The parameter the optimizer steps for this master: itself, or (16-bit state) itself
+        with its state widened to fp32 for the step and narrowed after."""
+        if self.state_dtype is None:
+            yield self.param
+            return
+        state = optimizer.state.pop(self.param, {})
+        optimizer.state[self.param] = _widened(state, self.param.numel())
+        try:
+            yield self.param
+        finally:
+            state = optimizer.state.pop(self.param, {})
+            optimizer.state[self.param] = _narrowed_state(
+                state, self.param.numel(), self.state_dtype
+            )
+
     # --- the optimizer's state ----------------------------------------------------------------
     def adopt_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Take state the optimizer already holds for ``param`` (kept there, in memory)."""
@@ -94,6 +126,10 @@ class MasterWeights:
         then brings the parameters up to date (`FlatParamGroup.gather_params`)."""
         self.param.copy_(master)
         state = {k: v.to(self.param.device) if torch.is_tensor(v) else v for k, v in state.items()}
+        # A checkpoint's state in the dtype this run keeps it in (fp32 or 16-bit state saved by
+        # another run loads either way).
+        keep = self.state_dtype or torch.float32
+        state = _narrowed_state(state, self.param.numel(), keep)
         if state:
             optimizer.state[self.param] = state
 
@@ -254,6 +290,54 @@ class SwappedMaster(HostMaster):
         return {"grads": grads, **self.swapped.held_bytes()}
 
 
+class CompactMaster(AliasedMaster):
+    """``master_weights_dtype: bf16``: the master is the parameters' own 16-bit values (no fp32
+    copy: 4 bytes per element less). Each bucket's step runs in fp32 on a temporary copy of its
+    shard (the gradient, as the optimizer sees it, is fp32 too) and is rounded back into the
+    parameters stochastically (`to_bf16_stochastic`, seeded by ``salt`` and the optimizer's
+    step count, so a resumed run rounds as an uninterrupted one); between steps nothing of it
+    is fp32. The gradient is held on an fp32 slot the shape of the shard, which has no memory of
+    its own."""
+
+    def __init__(self, view: torch.Tensor, world: int, complete: bool, salt: int = 0) -> None:
+        super().__init__(view, world, complete)
+        slot = torch.zeros(1, dtype=torch.float32, device=view.device).expand(view.numel())
+        self.grads = GradStore(torch.nn.Parameter(slot, requires_grad=False), world)
+        self.salt = salt
+        self._steps = 0  # the seed's count for optimizers that keep no ``step`` state
+
+    @contextmanager
+    def stepped(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
+        state = optimizer.state.pop(self.param, {})
+        work = torch.nn.Parameter(self.param.detach().float(), requires_grad=False)
+        work.grad = self.grads.master.grad
+        optimizer.state[work] = _widened(state, work.numel())
+        try:
+            yield work
+        finally:
+            state = optimizer.state.pop(work, {})
+            keep = self.state_dtype or torch.float32
+            optimizer.state[self.param] = _narrowed_state(state, work.numel(), keep)
+            self._steps += 1
+            step = state.get("step", self._steps)
+            seed = (self.salt * 1_000_003 + int(step)) % (1 << 63)
+            self.param.detach().copy_(to_bf16_stochastic(work.detach(), seed))
+
+
+def _elementwise(value, numel: int) -> bool:
+    return torch.is_tensor(value) and value.is_floating_point() and value.numel() == numel > 1
+
+
+def _widened(state: dict, numel: int) -> dict:
+    """``state`` with its elementwise tensors in fp32 (new tensors; scalars as they are)."""
+    return {k: v.float() if _elementwise(v, numel) else v for k, v in state.items()}
+
+
+def _narrowed_state(state: dict, numel: int, dtype: torch.dtype) -> dict:
+    """``state`` with its elementwise tensors in ``dtype`` (kept between steps)."""
+    return {k: v.to(dtype) if _elementwise(v, numel) else v for k, v in state.items()}
+
+
 def _tensor_spec(items) -> dict[str, tuple[torch.dtype, tuple]]:
     return {k: (v.dtype, tuple(v.shape)) for k, v in items if torch.is_tensor(v)}
 
@@ -266,15 +350,28 @@ def master_weights(
     offload: str,
     swap: SwapSpace | None,
     pin: bool,
+    compact: bool = False,
+    state_dtype: torch.dtype | None = None,
+    salt: int = 0,
 ) -> MasterWeights:
     """The master for one trainable group, from its initial fp32 shard ``values``.
-    ``offload``: ``offload_optimizer`` (none, cpu, nvme)."""
+    ``offload``: ``offload_optimizer`` (none, cpu, nvme). ``compact``: the 16-bit parameters
+    are the master (``master_weights_dtype: bf16``); ``state_dtype``: elementwise optimizer
+    state kept in that dtype between steps (``optimizer_states_dtype: bf16``); ``salt``: this
+    shard's part of a 16-bit master's rounding seed (the same in every run of the model)."""
     if offload == "nvme":  # fp32 parameters in a swap file there: one file for both
         return SwappedMaster(swap, values, world, placement.master_file(swap) if fp32 else None)
     if offload == "cpu":
         return HostMaster(values, world, pin)
-    alias = placement.master_view() if fp32 else None
+    alias = placement.master_view() if fp32 or compact else None
     if alias is not None:
         view, complete = alias
-        return AliasedMaster(view, world, complete)
-    return DeviceMaster(values.clone(), world)
+        master = (
+            AliasedMaster(view, world, complete)
+            if fp32
+            else CompactMaster(view, world, complete, salt)
+        )
+    else:
+        master = DeviceMaster(values.clone(), world)
+    master.state_dtype = state_dtype
+    return master

@@ -29,8 +29,8 @@ class Placement:
     """The base: what a group asks of its parameters' side."""
 
     def master_view(self) -> tuple[torch.Tensor, bool] | None:
-        """fp32 without offload: (this rank's part of the values, which the master may be
-        itself; whether stepping it updates every parameter), or None where it cannot be."""
+        """Without offload: (this rank's part of the values, which an fp32 or 16-bit master may
+        be itself; whether stepping it updates every parameter), or None where it cannot be."""
         return None
 
     def receive_tile(self, start: int, tile: torch.Tensor) -> None:
