@@ -125,11 +125,11 @@ def train_worker(args) -> dict:
         nvme_path=args.nvme_path,
         nvme_io_threads=args.io_threads,
     )
-    if offload_param == "nvme":  # the host budget and reuse window (hf_zero's keys)
-        zero.update(
-            offload_param_max_in_cpu=int(args.max_in_cpu),
-            max_reuse_distance=int(args.max_reuse_distance),
-        )
+    zero["max_reuse_distance"] = int(args.max_reuse_distance)  # units kept forward to backward
+    if args.host_memory != "default":
+        zero["host_memory"] = args.host_memory
+    if offload_param == "nvme":  # the host budget for parameter shards
+        zero["offload_param_max_in_cpu"] = int(args.max_in_cpu)
     if offload_optimizer == "nvme" and args.optimizer_max_in_cpu:
         zero["offload_optimizer_max_in_cpu"] = int(args.optimizer_max_in_cpu)
     if args.reduce_bucket_size != "default":  # "default": what a config that names none gets
@@ -220,7 +220,12 @@ def _estimate(shape, engine, args, offload_param: str, offload_optimizer: str) -
         return m["params"] + m["working_set"] + activations
     m = estimate(shape, args.nproc, 3, "fp32", offload_optimizer == "cpu", offload_param=offload_param == "cpu")  # fmt: skip
     states = m["total"] + m["host_total"]
-    return states + working_set_bytes(shape, 3, "fp32") + 4 * prefetch + activations
+    # Units kept from forward to backward: at most max_live_parameters, never the root twice.
+    held = min(
+        args.max_reuse_distance and engine.config.max_live_parameters,
+        shape.params - shape.root_unit_params,
+    )
+    return states + working_set_bytes(shape, 3, "fp32") + 4 * (prefetch + held) + activations
 
 
 def _int_or_auto(text: str) -> int | str:
@@ -248,6 +253,7 @@ FORWARDED = (
     "io_threads",
     "max_in_cpu",
     "max_reuse_distance",
+    "host_memory",
     "optimizer_max_in_cpu",
     "bw_gib",
     "nproc",
@@ -332,7 +338,7 @@ def summarize(disk: list[dict], runs: dict[str, list[dict]]) -> dict:
             "o_direct": disk[0]["direct"],
         },
         "rows": rows,
-        "params": next(iter(runs.values()))[0].get("params"),
+        "params": next((r[0]["params"] for r in runs.values() if "params" in r[0]), 0),
         "deepspeed": deepspeed_status(),
     }
 
@@ -389,13 +395,16 @@ def main(argv=None) -> int:
         "--max_in_cpu", type=float, default=0, help="nvme/nvme: offload_param_max_in_cpu elements"
     )
     p.add_argument(
-        "--max_reuse_distance", type=float, default=0, help="nvme/nvme: max_reuse_distance"
+        "--max_reuse_distance", type=float, default=0, help="hf_zero's max_reuse_distance"
     )
     p.add_argument(
         "--optimizer_max_in_cpu",
         type=float,
         default=0,
         help="nvme optimizer: offload_optimizer_max_in_cpu elements",
+    )
+    p.add_argument(
+        "--host_memory", default="default", help="hf_zero's host_memory (default: not given)"
     )
     p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
     p.add_argument("--io_threads", type=int, default=4)

@@ -11,7 +11,9 @@ of the bytes it could keep in memory per rank: 4 per parameter-shard element (th
 ``offload_optimizer_max_in_cpu``). A budget fills the parameter cache first (its bytes are read
 twice a step), then the optimizer's. hf_zero's ``cpu``/``cpu`` and, with ``--deepspeed``,
 DeepSpeed 0.19.8's ``cpu``/``cpu`` and ``nvme``/``nvme`` (its defaults: ``max_in_cpu`` 1e9,
-``stage3_max_reuse_distance`` 1e9) are the reference points. Prints a table with each point's
+``stage3_max_reuse_distance`` 1e9) are the reference points; hf_zero's ``cpu``/``cpu`` runs at
+each ``--cpu_reuse`` (its ``max_reuse_distance``: 0, its default, and DeepSpeed's 1e9, which
+keeps the gathered units from forward to backward). Prints a table with each point's
 step time and peak as ratios to DeepSpeed's ``nvme``/``nvme``, writes
 ``--out/bench_infinity_budget.json`` and a plot of step time against peak RSS
 (``--out/infinity_budget.png``). Timings are never asserted anywhere.
@@ -77,11 +79,13 @@ def collect(args) -> list[dict]:
         name = f"hf_zero nvme/nvme, host budget {fraction:.0%}"
         points.append({"name": name, "param_cache": params, "optimizer_cache": optimizer})
         points[-1].update(rows[NVME])
-    extra = ["--only", "stage 3 + offload cpu/cpu"] + (["--deepspeed"] if args.deepspeed else [])
-    rows = run_point(args, "cpu and DeepSpeed", extra)
-    for name, row in rows.items():
-        label = "hf_zero cpu/cpu" if name.startswith("stage 3") else name
-        points.append({"name": label, **row})
+    for i, reuse in enumerate(args.cpu_reuse):
+        extra = ["--only", "stage 3 + offload cpu/cpu", "--max_reuse_distance", str(reuse)]
+        extra += ["--deepspeed"] if args.deepspeed and i == 0 else []
+        rows = run_point(args, f"cpu reuse {reuse:g}", extra)
+        for name, row in rows.items():
+            label = "hf_zero cpu/cpu" + (f", max_reuse_distance {reuse:g}" if reuse else "")
+            points.append({"name": label if name.startswith("stage 3") else name, **row})
     return points
 
 
@@ -138,6 +142,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.4, 0.6, 1.0])
+    p.add_argument(
+        "--cpu_reuse",
+        type=float,
+        nargs="+",
+        default=[0.0, 1e9],
+        help="hf_zero cpu/cpu points at these max_reuse_distance values (DeepSpeed's default 1e9)",
+    )
     p.add_argument("--nvme_path", default="/tmp/hf_zero_bench_nvme")
     p.add_argument("--bw_gib", type=float, default=1.0)
     p.add_argument("--deepspeed", action="store_true", help="add DeepSpeed 0.19.8's points")

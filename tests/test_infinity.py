@@ -476,3 +476,14 @@ def test_memory_first_defaults_are_bounded_and_given_sizes_kept():
     given = hf_zero.ZeroConfig(**nvme, reduce_inflight_numel=10**8, prefetch_bucket_size=10**7)
     given.resolve_auto(hidden_size=h)
     assert (given.reduce_inflight_numel, given.prefetch_bucket_size) == (10**8, 10**7)
+
+
+def test_memory_first_unmaps_unless_reuse_is_asked_for():
+    from hf_zero.storage.host_memory import HostMemoryPolicy
+
+    bounded = HostMemoryPolicy(on_cpu=True, setting="release", memory_first=True, stage=3)
+    assert bounded.unmap and not bounded.reuse  # the default where memory is the point
+    asked = HostMemoryPolicy(on_cpu=True, setting="reuse", memory_first=True, stage=3)
+    assert asked.reuse and not asked.unmap and not asked.trim_after_step
+    on_gpu = HostMemoryPolicy(on_cpu=False, setting="reuse", memory_first=True, stage=3)
+    assert not (on_gpu.reuse or on_gpu.unmap or on_gpu.trim_after_step)

@@ -87,12 +87,14 @@ class HostMemoryPolicy:
     is freed inside a step (activations, logits tiles) leaves at once rather than piling up in
     the heap until the trim (long sequences: the peak RSS); ``reuse`` keeps freed memory for
     the next step. Runs whose point is memory (``memory_first``: an NVMe tier, or parameters
-    offloaded) always unmap: the host holds model states and a working set only.
+    offloaded) unmap unless ``reuse`` is asked for: the host then holds model states and a
+    working set only. ``reuse`` there trades RSS for the page faults (332M parameters,
+    ``cpu``/``cpu``, 2 CPU ranks: 6.64 -> 5.04 s a step, peak 4.6 -> 5.3 GB per rank).
     """
 
     def __init__(self, on_cpu: bool, setting: str, memory_first: bool, stage: int) -> None:
-        self.unmap = on_cpu and (memory_first or setting == "unmap")
-        self.reuse = on_cpu and setting == "reuse" and not memory_first
+        self.reuse = on_cpu and setting == "reuse"
+        self.unmap = on_cpu and not self.reuse and (memory_first or setting == "unmap")
         self.trim_after_step = on_cpu and stage >= 2 and not self.reuse
 
     def start(self) -> None:
