@@ -284,3 +284,18 @@ def test_partial_offload_equals_full_offload_and_none_exactly(stage):
         assert report["host_optimizer_states"] > 0 and report["optimizer_states"] > 0, report
         host_moments = 2 * half["host_shard_bytes"]  # exp_avg, exp_avg_sq; plus step counters
         assert host_moments <= report["host_optimizer_states"] <= host_moments + 64, report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_master_loads_state_in_the_cpu_adams_dtype(dtype):
+    # A checkpoint's state (saved in either dtype) is kept as the optimizer keeps it.
+    from hf_zero.sharding.master import HostMaster
+
+    master = HostMaster(torch.zeros(8), world=1, pin=False)
+    opt = CPUAdam([master.param], lr=1e-3, state_dtype=dtype)
+    for saved in (torch.float32, torch.bfloat16):
+        moments = {k: torch.ones(8, dtype=saved) for k in ("exp_avg", "exp_avg_sq")}
+        master.load(torch.ones(8), {"step": torch.tensor(3.0), **moments}, opt, placement=None)
+        state = opt.state[master.param]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == dtype
+        assert state["step"].dtype == torch.float32

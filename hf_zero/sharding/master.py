@@ -93,6 +93,11 @@ class MasterWeights:
     """Elementwise optimizer state is kept in this dtype between steps (None: as the optimizer
     makes it)."""
 
+    def kept_dtype(self, optimizer: torch.optim.Optimizer) -> torch.dtype:
+        """The dtype elementwise state is kept in between steps: the config's, else the
+        optimizer's own (`CPUAdam`'s ``state_dtype``), else fp32."""
+        return self.state_dtype or getattr(optimizer, "state_dtype", torch.float32)
+
     @contextmanager
     def stepped(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
         """The parameter the optimizer steps for this master: itself, or (16-bit state) itself
@@ -128,8 +133,7 @@ class MasterWeights:
         state = {k: v.to(self.param.device) if torch.is_tensor(v) else v for k, v in state.items()}
         # A checkpoint's state in the dtype this run keeps it in (fp32 or 16-bit state saved by
         # another run loads either way).
-        keep = self.state_dtype or torch.float32
-        state = _narrowed_state(state, self.param.numel(), keep)
+        state = _narrowed_state(state, self.param.numel(), self.kept_dtype(optimizer))
         if state:
             optimizer.state[self.param] = state
 
@@ -316,7 +320,7 @@ class CompactMaster(AliasedMaster):
             yield work
         finally:
             state = optimizer.state.pop(work, {})
-            keep = self.state_dtype or torch.float32
+            keep = self.kept_dtype(optimizer)
             optimizer.state[self.param] = _narrowed_state(state, work.numel(), keep)
             self._steps += 1
             step = state.get("step", self._steps)
