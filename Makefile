@@ -31,10 +31,11 @@ train: setup
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
-# World-size-4 cases deselected: for quick local iterations only (CI runs `make test`). About
-# 23 minutes on a 2-core CPU machine, against 29 for `make test` (the last CI run's durations).
+# The edit-test loop: every package folder, without the cases marked `slow` (world size 4) or
+# `long` (launches processes as a user does, or trains at length: tests/conftest.py). About 4
+# minutes on a 2-core CPU machine; CI runs everything (`make test`).
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not long"
 
 # Re-run the notebooks and store their outputs (tests/test_notebooks.py checks they are current).
 notebooks: setup

@@ -210,6 +210,8 @@ def make_deepspeed(args, stage: int, offload: bool = False) -> Run:
 def make_hf_zero(args, stage: int, **cfg) -> Run:
     model = build(args)
     params = sum(p.numel() for p in model.parameters())  # before stage 3 releases them
+    if args.host_memory:
+        cfg = {"host_memory": args.host_memory, **cfg}
     engine = hf_zero.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=args.lr),
@@ -329,6 +331,11 @@ def main() -> None:
         default=6_250_000,
         help="hf_zero bucket elements (default 25 MB of fp32, DDP's bucket_cap_mb)",
     )
+    parser.add_argument(
+        "--host_memory",
+        choices=["release", "unmap", "reuse"],
+        help="hf_zero's host_memory setting (default: the config's own)",
+    )
     parser.add_argument("--only", nargs="*", help="run systems whose name contains one of these")
     parser.add_argument("--out", default="benchmarks/results/train")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one system, under torchrun
@@ -351,6 +358,8 @@ def drive(args, parser) -> None:
     passthrough = []
     for action in parser._actions:
         if action.dest in ("help", "worker", "result", "only", "out", "repeats", "nproc"):
+            continue
+        if getattr(args, action.dest) is None:
             continue
         passthrough += [action.option_strings[0], str(getattr(args, action.dest))]
     results: dict[str, list[dict]] = {name: [] for name in table}

@@ -1,5 +1,6 @@
 """hf_zero: ZeRO data parallelism for Hugging Face training, built on torch.distributed."""
 
+from hf_zero import quiet
 from hf_zero._version import __version__
 from hf_zero.comm.topology import Topology, current_device, init_distributed
 from hf_zero.config import ZeroConfig
@@ -7,6 +8,8 @@ from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.sharding.stage3.gathered import gathered_parameters
 from hf_zero.sharding.stage3.partitioned_init import load_partitioned, partitioned_init
 from hf_zero.sharding.stage3.units import num_parameters
+
+quiet.install()  # before PEFT imports bitsandbytes
 
 # The Hugging Face integrations import transformers' Trainer (slow): loaded on first use.
 _LAZY = {

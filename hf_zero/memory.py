@@ -176,7 +176,7 @@ class ModelShape:
 
 def shape_of(model) -> ModelShape:
     """Count a (meta-device) model: parameters, TP-split parameters, the largest unit."""
-    from hf_zero.sharding.stage3.coordinator import assign_params_to_units, find_units
+    from hf_zero.sharding.stage3.units import assign_params_to_units, find_units
     from hf_zero.sharding.tp import EMBEDDING_STYLES, LINEAR_STYLES, resolve_plan
 
     unique = {id(p): p for p in model.parameters()}

@@ -34,6 +34,7 @@ import logging
 from dataclasses import dataclass, field
 
 from recipe_utils import (
+    add_lora,
     check_model_source,
     check_pipeline_fits,
     load_model_and_tokenizer,
@@ -94,7 +95,7 @@ def main(argv=None) -> None:
     source = script.model_name_or_path
     parse_or_exit(check_pipeline_fits, args.zero.pp_size, source, "--model_name_or_path")
     logging.basicConfig(level=logging.INFO if args.process_index == 0 else logging.WARNING)
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     key = "quantized_nontrainable_weights"
     # A bitsandbytes base is quantized already: its other frozen weights (embeddings, norms)
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
         target_modules=targets if targets == "all-linear" else targets.split(","),
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, lora)
+    model = add_lora(model, lora)
     if args.process_index == 0:
         model.print_trainable_parameters()
     with args.main_process_first(desc="tokenizing"):

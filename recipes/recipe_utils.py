@@ -69,7 +69,16 @@ def load_model_and_tokenizer(model_name_or_path: str | None, seed: int = 0):
     """
     tokenizer = load_tokenizer(model_name_or_path)
     if model_name_or_path is None:
-        return tiny_llama(seed=seed, vocab_size=len(tokenizer), initializer_range=0.3), tokenizer
+        # The config names the tokenizer's own EOS and PAD ids, so the Trainer has nothing to
+        # align (and says nothing about it).
+        model = tiny_llama(
+            seed=seed,
+            vocab_size=len(tokenizer),
+            initializer_range=0.3,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return model, tokenizer
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_name_or_path), tokenizer
@@ -85,6 +94,21 @@ def load_tokenizer(model_name_or_path: str | None):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def add_lora(model, lora):
+    """``get_peft_model(model, lora)``. PEFT reads ``model.is_gradient_checkpointing``, which
+    transformers now deprecates with a FutureWarning on every call: a notice for PEFT, not for
+    the user, so that one warning is silenced here."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
+        return get_peft_model(model, lora)
 
 
 def load_quantized_base(source: str, quantization: str, args):

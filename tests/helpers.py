@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,9 +23,40 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
 ACCELERATE += [str(ROOT / "configs/accelerate/cpu_2proc.yaml")]
 """``accelerate launch`` with the 2-process CPU config, as the docs type it."""
+ACCELERATE_1PROC = [*ACCELERATE[:-1], str(ROOT / "configs/accelerate/cpu_1proc.yaml")]
+"""``accelerate launch`` with the 1-process CPU config."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 TORCHRUN += ["--max-restarts", "2"]
 """``torchrun`` with 2 processes and up to 2 restarts."""
+
+
+def launch(
+    args: Sequence[str],
+    launcher: Sequence[str] = ACCELERATE,
+    env: dict | None = None,
+    timeout: int = 300,
+    check: bool = True,
+    new_session: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run ``launcher`` + ``args`` from the repository root as a user types it, output captured.
+
+    The environment is the test run's, with one thread per process (as the docs' CPU commands
+    set) and without an ``HF_ZERO_CONFIG`` the test run may have; ``env`` adds to it. With
+    ``check`` a failed launch fails the test with the ends of its output; ``new_session`` puts
+    it in a process group of its own (a fault that kills its group kills only this run)."""
+    base = {k: v for k, v in os.environ.items() if k != "HF_ZERO_CONFIG"}
+    done = subprocess.run(
+        [*launcher, *args],
+        env={**base, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        start_new_session=new_session,
+    )
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
 
 
 def clm_command(launcher: list[str], out: Path | str, steps: int, *flags: str) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MODEL
+from helpers import MODEL, launch
 from transformers.trainer_utils import get_last_checkpoint
 
 import hf_zero
@@ -40,20 +40,15 @@ pytestmark = pytest.mark.slow
 
 
 def _launch(out: Path, *flags: str, recipe: str = "finetune_lora", fault: str | None = None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "recipes"))
-    script = ROOT / "recipes" / f"{recipe}.py"
+    env, script = {}, ROOT / "recipes" / f"{recipe}.py"
     if fault is not None:
-        env.update(HF_ZERO_TEST_FAULT=fault, HF_ZERO_TEST_RECIPE=recipe)
+        env = dict(HF_ZERO_TEST_FAULT=fault, HF_ZERO_TEST_RECIPE=recipe)
         script = ROOT / "tests/scripts/faulty_recipe.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [str(ROOT / "configs/accelerate/cpu_2proc.yaml"), str(script)]
-    cmd += ["--max_steps", "6", "--learning_rate", "1e-2", "--per_device_train_batch_size", "4"]
-    cmd += ["--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1"]
-    cmd += ["--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(out), *flags]
-    return subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
-        start_new_session=True,  # a fault that kills its process group kills only this run
-    )  # fmt: skip
+    args = [str(script), "--max_steps", "6", "--learning_rate", "1e-2"]
+    args += ["--per_device_train_batch_size", "4", "--save_strategy", "steps", "--save_steps", "2"]
+    args += ["--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]
+    args += ["--output_dir", str(out), *flags]
+    return launch(args, env=env, check=False, new_session=True)
 
 
 def _losses(out: Path) -> dict[int, float]:

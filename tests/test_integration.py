@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ACCELERATE_1PROC, launch
 from safetensors.torch import load_file
 
 from hf_zero.integrations.trainer_arguments import ZeroTrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-CPU_2PROC = str(ROOT / "configs/accelerate/cpu_2proc.yaml")
 COMMON = [
     "--per_device_train_batch_size",
     "8",
@@ -30,17 +29,8 @@ COMMON = [
 ]
 
 
-def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "recipes"))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
-
-
 def _launch(recipe: str, *flags: str) -> subprocess.CompletedProcess:
-    return _run(
-        [*LAUNCH, "--config_file", CPU_2PROC, str(ROOT / "recipes" / recipe), *COMMON, *flags]
-    )
+    return launch([str(ROOT / "recipes" / recipe), *COMMON, *flags])
 
 
 def _losses(output_dir: Path) -> dict[int, float]:
@@ -361,8 +351,8 @@ def test_precedence_cli_over_file_over_env(tmp_path, monkeypatch):
 
 def test_accelerate_recipe_trains_and_resumes_from_save_state(tmp_path):
     script = str(ROOT / "recipes" / "train_accelerate.py")
-    base = [*LAUNCH, "--config_file", CPU_2PROC, script, "--zero_stage", "2", "--steps", "20"]
-    _run([*base, "--output_dir", str(tmp_path), "--save_state_at", "10"])
+    base = [script, "--zero_stage", "2", "--steps", "20"]
+    launch([*base, "--output_dir", str(tmp_path), "--save_state_at", "10"])
     history = json.loads((tmp_path / "history.json").read_text())
     assert history[-1]["loss"] < history[0]["loss"]
     # The cosine schedule spans the whole run on 2 processes (a prepared scheduler steps once per
@@ -372,7 +362,7 @@ def test_accelerate_recipe_trains_and_resumes_from_save_state(tmp_path):
     assert lr[19] > 0 and lr[20] == pytest.approx(0.0, abs=1e-12)
     assert (tmp_path / "state-10" / "zero" / "zero_rank00001.safetensors").is_file()
     resumed = tmp_path / "resumed"
-    _run([*base, "--output_dir", str(resumed), "--resume_from", str(tmp_path / "state-10")])
+    launch([*base, "--output_dir", str(resumed), "--resume_from", str(tmp_path / "state-10")])
     steps = [h["step"] for h in json.loads((resumed / "history.json").read_text())]
     assert steps == list(range(11, 21))
 
@@ -401,10 +391,8 @@ def test_accelerate_yamls_are_valid_and_complete():
 def test_single_process_cpu_yaml_runs_the_lora_recipe_exactly_without_mixz(tmp_path):
     """ZeRO-3 on one process with a 16-bit base (--mixz false): the saved adapter on the original
     base reproduces the trained model exactly."""
-    _run(
+    launch(
         [
-            *LAUNCH,
-            "--config_file", str(ROOT / "configs/accelerate/cpu_1proc.yaml"),
             str(ROOT / "recipes/finetune_lora.py"),
             *COMMON,
             "--zero_stage", "3",
@@ -414,7 +402,8 @@ def test_single_process_cpu_yaml_runs_the_lora_recipe_exactly_without_mixz(tmp_p
             "--logging_steps", "5",
             "--learning_rate", "1e-2",
             "--save_strategy", "no",
-        ]
+        ],
+        launcher=ACCELERATE_1PROC,
     )  # fmt: skip
     losses = _losses(tmp_path)
     assert losses[10] < losses[5]

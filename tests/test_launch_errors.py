@@ -5,30 +5,20 @@ exactly once on stderr, no rank prints a traceback, and the exit status is non-z
 is the launcher's own summary of the failed processes (torchrun's, not ours).
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-CPU_2PROC = str(ROOT / "configs/accelerate/cpu_2proc.yaml")
 LORA = str(ROOT / "recipes/finetune_lora.py")
 STOCK = str(ROOT / "tests/scripts/stock_trainer.py")
 
 
 def _launch(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != "HF_ZERO_CONFIG"}
-    return subprocess.run(
-        [*LAUNCH, "--config_file", CPU_2PROC, *args],
-        env={**base, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    return launch(args, env={"HF_HUB_OFFLINE": "1", **(env or {})}, check=False)
 
 
 def _files(tmp_path: Path) -> dict[str, str]:

@@ -12,14 +12,13 @@ kernel and by the merge's rounding (bounded at 2% of the logits' norm).
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import bitsandbytes  # noqa: F401  (a test dependency: missing, fail, never skip)
 import pytest
 import torch
+from helpers import launch
 
 import hf_zero
 from hf_zero.numerics.packed import disable_cpu_repacking
@@ -30,15 +29,10 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 
 def _launch(*flags: str, steps: int = 40) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "recipes"))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [str(ROOT / "configs/accelerate/cpu_2proc.yaml"), str(ROOT / "recipes/finetune_lora.py")]
-    cmd += ["--max_steps", str(steps), "--learning_rate", "1e-2"]
-    cmd += ["--per_device_train_batch_size", "8"]
-    cmd += ["--logging_steps", "10", "--report_to", "none", "--disable_tqdm", "true", *flags]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stderr
+    args = [str(ROOT / "recipes/finetune_lora.py"), "--max_steps", str(steps)]
+    args += ["--learning_rate", "1e-2", "--per_device_train_batch_size", "8"]
+    args += ["--logging_steps", "10", "--report_to", "none", "--disable_tqdm", "true", *flags]
+    return launch(args).stderr
 
 
 def _probe(model) -> torch.Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import launch
 from transformers import LlamaForCausalLM
 
 from hf_zero.tiny import byte_tokens, tiny_corpus, tiny_llama
@@ -16,16 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(*args: str, timeout: int = 300) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run(
-        [*cmd, str(ROOT / "recipes" / "train_tiny.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = launch(
+        [str(ROOT / "recipes" / "train_tiny.py"), *args], [*torchrun, "2"], timeout=timeout
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
 

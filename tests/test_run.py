@@ -14,31 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_reference_run_finished
+from helpers import assert_reference_run_finished, launch
 
 from hf_zero.run import split_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "stock_trainer.py")
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-CPU_2PROC = str(ROOT / "configs/accelerate/cpu_2proc.yaml")
 SHARDED = "model.layers.0.self_attn.q_proj.weight"
 
 
 def _launch(args: list[str], env: dict | None = None, check: bool = True):
-    base = {k: v for k, v in os.environ.items() if k != "HF_ZERO_CONFIG"}
-    env = {**base, "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run(
-        [*LAUNCH, "--config_file", CPU_2PROC, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    if check:
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
-    return done
+    return launch(args, env=env, check=check)
 
 
 def _launch_reference(args: list[str], out: Path, env: dict | None = None) -> None:

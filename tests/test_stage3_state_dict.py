@@ -26,7 +26,7 @@ from helpers import (
 
 import hf_zero
 from hf_zero.sharding.stage3 import state_dict as stage3_state_dict
-from hf_zero.sharding.stage3.coordinator import find_units
+from hf_zero.sharding.stage3.units import find_units
 from hf_zero.testing import run_distributed
 
 ZERO3 = dict(param_persistence_threshold=50)  # norm weights (40) stay whole, matrices shard

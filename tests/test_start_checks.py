@@ -4,18 +4,15 @@ of 0. Each under ``-m hf_zero.run`` on an unmodified Trainer script and in a rec
 (``ZeroTrainingArguments``), launched as the docs say."""
 
 import contextlib
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-LAUNCH += [str(ROOT / "configs/accelerate/cpu_2proc.yaml")]
-CLM = [*LAUNCH, "-m", "hf_zero.run", str(ROOT / "recipes/examples/run_clm.py"), "--do_train"]
-RECIPE = [*LAUNCH, str(ROOT / "recipes/finetune_lora.py")]
+CLM = ["-m", "hf_zero.run", str(ROOT / "recipes/examples/run_clm.py"), "--do_train"]
+RECIPE = [str(ROOT / "recipes/finetune_lora.py")]
 
 
 @pytest.fixture
@@ -32,9 +29,8 @@ def read_only_dir(tmp_path):
             subprocess.run(["umount", str(folder)], check=True)
 
 
-def _launch(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _launch(args: list[str]) -> subprocess.CompletedProcess:
+    return launch(args, check=False)
 
 
 def _one_error_line(done: subprocess.CompletedProcess) -> str:

@@ -1,10 +1,12 @@
 """The user's optimizer, re-pointed at fp32 master-weight shards, and the step around it.
 
-ZeRO stages 1-2 give each rank one flat fp32 shard per bucket. Because the update rule of the
-supported optimizers is elementwise, running the user's own optimizer object on those flat shards
-computes exactly what it would compute on whole parameters. The optimizer object is kept (its
-``param_groups`` are re-pointed in place), so hyperparameters, per-group learning rates and any
-LR scheduler attached to it keep working.
+At every stage (0-3) each rank holds one flat master shard per bucket (at stage 0 the shard is the
+whole bucket; at stage 3 the parameter shard and the master cover the same elements), in fp32
+unless 16-bit storage is asked for, wherever the master-weight kind keeps it. Because the update
+rule of the supported optimizers is elementwise, running the user's own optimizer object on those
+flat shards computes exactly what it would compute on whole parameters. The optimizer object is
+kept (its ``param_groups`` are re-pointed in place), so hyperparameters, per-group learning rates
+and any LR scheduler attached to it keep working.
 """
 
 from __future__ import annotations

@@ -21,10 +21,9 @@ from hf_zero.numerics.packed import is_int8_linear, is_packed, prepare_int8_modu
 from hf_zero.numerics.precision import dtype_of
 from hf_zero.sharding.flat_group import FlatParamGroup
 from hf_zero.sharding.layout import bucket_params
-from hf_zero.sharding.stage3.coordinator import Unit, assign_params_to_units, find_units
 from hf_zero.sharding.stage3.partitioned_init import unshard
 from hf_zero.sharding.stage3.partitioned_load import slice_of, unshard_params
-from hf_zero.sharding.stage3.units import true_numel
+from hf_zero.sharding.stage3.units import Unit, assign_params_to_units, find_units, true_numel
 from hf_zero.sharding.tiers import NvmeParams
 from hf_zero.storage.host_budget import HostBudget
 from hf_zero.storage.swap import SwapSpace, check_nvme_path, open_space
@@ -88,7 +87,10 @@ def log_quantization_padding(zpp: ZeroPPSettings, groups: list[FlatParamGroup]) 
     short = sum(n < block for n in shards)
     padded = sum(n >= block and n % block != 0 for n in shards)
     if short or padded:
-        logger.info(
+        # Zero padding leaves every value's block and scale as they were: only shorter blocks
+        # change the quantization, so only they are worth the user's attention.
+        logger.log(
+            logging.INFO if short else logging.DEBUG,
             "hf_zero ZeRO++: of %d buckets, %d have shards shorter than "
             "'quantization_block_size' = %d (they use one smaller block) and %d are padded "
             "to whole blocks",

@@ -49,29 +49,9 @@ from hf_zero.sharding.flat_group import FlatParamGroup
 from hf_zero.sharding.stage3.entry import entry_modules, mark_sharded
 from hf_zero.sharding.stage3.reuse import ReuseWindow
 from hf_zero.sharding.stage3.saved import SavedWeightViews
-from hf_zero.sharding.stage3.units import assign_params_to_units, find_units  # noqa: F401 (re-exported)
+from hf_zero.sharding.stage3.units import Unit
 
 logger = logging.getLogger(__name__)
-
-
-class Unit:
-    """A module whose (non-persistent) parameters are gathered and released together."""
-
-    def __init__(self, index: int, name: str, module: torch.nn.Module, is_root: bool) -> None:
-        self.index = index
-        self.name = name or "<root>"
-        self.module = module
-        self.is_root = is_root
-        self.groups: list[FlatParamGroup] = []
-        self.backward_users = 0
-
-    @property
-    def numel(self) -> int:
-        return sum(g.numel for g in self.groups)
-
-    @property
-    def is_gathered(self) -> bool:
-        return all(g.flat_param is not None for g in self.groups)
 
 
 class _PostBackward(torch.autograd.Function):

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from hf_zero.comm.topology import current_device, init_distributed
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.sharding.layout import FlatLayout
-from hf_zero.sharding.stage3.coordinator import assign_params_to_units, find_units
 from hf_zero.sharding.stage3.partitioned_load import PretrainedSlicer, keep_slice, slice_of
+from hf_zero.sharding.stage3.units import assign_params_to_units, find_units
 from hf_zero.storage import host_memory
 from hf_zero.storage.safetensors import SafetensorsSliceReader, indexed_files
 from hf_zero.storage.swap import SwapFile, SwapSpace, check_nvme_path, open_space

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.sharding.flat_group import FlatParamGroup
-from hf_zero.sharding.stage3.coordinator import Unit, gather_groups
+from hf_zero.sharding.stage3.coordinator import gather_groups
+from hf_zero.sharding.stage3.units import Unit
 from hf_zero.sharding.tp import TensorParallel
 
 SYNC_TIMEOUT = datetime.timedelta(minutes=5)

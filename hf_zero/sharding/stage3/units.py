@@ -16,8 +16,12 @@ the layout.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hf_zero.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +173,23 @@ def assign_params_to_units(
 
     visit(model, 0)
     return owner
+
+
+class Unit:
+    """A module whose (non-persistent) parameters are gathered and released together."""
+
+    def __init__(self, index: int, name: str, module: torch.nn.Module, is_root: bool) -> None:
+        self.index = index
+        self.name = name or "<root>"
+        self.module = module
+        self.is_root = is_root
+        self.groups: list[FlatParamGroup] = []
+        self.backward_users = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def is_gathered(self) -> bool:
+        return all(g.flat_param is not None for g in self.groups)

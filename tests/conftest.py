@@ -1,0 +1,89 @@
+"""The ``long`` mark: what `make test-fast` leaves out (CI runs everything).
+
+A case is long when it launches processes as a user does (``accelerate launch``, ``torchrun``,
+notebooks, benchmark scripts: each launch imports torch and transformers' Trainer in every
+process, about 10 s on a 2-core CPU) or trains for many steps; measured with ``--durations=0``
+on a 2-core CPU machine, every case here took 9 s or more. Kept in one list, so that the fast
+loop's contents are visible in one place.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+LONG_FILES = {
+    "test_cluster.py",
+    "test_collectives_exact.py",
+    "test_docs.py",
+    "test_examples.py",
+    "test_launch_errors.py",
+    "test_memory_rss.py",
+    "test_bounded_memory.py",
+    "test_notebooks.py",
+    "test_qlora_recipe.py",
+    "test_recipe.py",
+    "test_restarts.py",
+    "test_run.py",
+    "test_start_checks.py",
+}
+"""Files whose every case launches processes or trains at length."""
+
+LONG_CASES = {
+    "test_doctor.py": {
+        "test_the_peak_make_up_adds_up_and_matches_the_os",  # 16 profiled runs, shared
+        "test_each_recommendation_holds_when_applied",
+        "test_logits_and_mlp_activations_are_counted_apart",
+        "test_doctor_profiles_an_unmodified_trainer_launch",
+    },
+    "test_faults.py": {
+        "test_a_save_killed_midway_leaves_the_last_checkpoint_resumable",
+        "test_a_partitioned_stage3_build_resumes_exactly",
+        "test_a_full_disk_names_the_folder_and_keeps_the_previous_checkpoint",
+        "test_ddp_timeout_bounds_a_stalled_collective_on_cpu",
+        "test_the_watchdog_names_where_a_rank_waits_and_who_is_late",
+    },
+    "test_gpu_check.py": {"test_timing_benchmark_runs_its_systems_on_cpu"},
+    "test_infinity.py": {"test_nvme_defaults_keep_the_whole_run_within_the_estimate"},
+    "test_integration.py": {
+        "test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter",
+        "test_full_recipe_zero2_with_a_deepspeed_json",
+        "test_full_recipe_zero3_with_zeropp_trainer_flags",
+        "test_full_recipe_with_tensor_parallel_two_ranks",
+        "test_full_recipe_pipeline_stages_resume_exactly_and_consolidate",
+        "test_trainer_resume_continues_exactly",
+        "test_accelerate_recipe_trains_and_resumes_from_save_state",
+        "test_single_process_cpu_yaml_runs_the_lora_recipe_exactly_without_mixz",
+        "test_full_recipe_zero_infinity_from_a_model_config",
+    },
+    "test_lora_reload.py": {
+        "test_the_quick_start_prints_no_third_party_notices",  # the shared `make train` run
+        "test_adapter_config_names_a_base_that_loads",
+        "test_load_for_inference_reproduces_the_trained_logits",
+        "test_load_for_inference_finds_the_base_of_a_moved_output_dir",
+        "test_load_for_inference_refuses_a_different_base",
+        "test_consolidate_a_lora_trainer_checkpoint",
+        "test_consolidate_a_full_trainer_checkpoint",
+    },
+    "test_mixz.py": {"test_mixz_in_bitsandbytes_4bit_formats"},
+    "test_partitioned_load.py": {
+        "test_from_pretrained_keeps_only_slices_and_trains_as_a_whole_load"
+    },
+    "test_qlora.py": {
+        "test_quantized_weights_move_as_bytes_at_every_stage_and_tier",
+        "test_bf16_losses_identical_across_stages",
+    },
+    "test_sequence.py": {
+        "test_trainer_with_sp2_logs_the_one_process_losses",
+        "test_trl_sft_with_sp2_logs_the_one_process_losses",
+    },
+    "test_comm_wire.py": {"test_wire_bytes_agree_with_the_loopback_interface_counters"},
+}
+"""Long cases in files that are otherwise quick (a fixture's users all listed: it runs once)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        case = item.originalname if hasattr(item, "originalname") else item.name
+        if name in LONG_FILES or case in LONG_CASES.get(name, ()):
+            item.add_marker(pytest.mark.long)
