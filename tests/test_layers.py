@@ -147,3 +147,39 @@ def test_the_checks_find_an_upward_import_and_a_circle(tmp_path):
         "hf_zero.config -> hf_zero.engine -> hf_zero.config",
         "hf_zero.engine -> hf_zero.config -> hf_zero.engine",
     ]
+
+
+SAVE_CODE = ["checkpointing", "full_state_dict", "pretrained_save", "save_failure"]
+"""The engine's save, load and export modules: they see an engine as `EngineState`."""
+
+
+def engine_reads(source: str) -> set[str]:
+    """Every ``engine.<name>`` the source reads or writes."""
+    return {
+        node.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "engine"
+    }
+
+
+def declared(protocol: str) -> set[str]:
+    """The names a Protocol class in hf_zero/engine/state_view.py declares."""
+    tree = ast.parse((PACKAGE / "engine" / "state_view.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == protocol]
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+
+
+def test_save_code_reads_only_what_engine_state_declares_and_never_imports_the_engine():
+    graph = imports(modules())
+    allowed = declared("EngineState")
+    for name in SAVE_CODE:
+        module = f"hf_zero.engine.{name}"
+        assert "hf_zero.engine.zero_engine" not in graph[module], module
+        extra = engine_reads((PACKAGE / "engine" / f"{name}.py").read_text()) - allowed
+        assert not extra, f"{module} reads engine.{sorted(extra)}: declare it in EngineState"
+    importers = [m for m, deps in graph.items() if "hf_zero.engine.zero_engine" in deps]
+    beside = [m for m in importers if m.startswith("hf_zero.engine.")]  # the package re-exports
+    assert beside == [], beside
+    assert engine_reads("engine.groups[0]; x = engine.topology.rank") == {"groups", "topology"}

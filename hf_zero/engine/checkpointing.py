@@ -35,12 +35,12 @@ from hf_zero.engine.save_failure import agree_on_failure
 from hf_zero.storage.safetensors import Piece, write_streamed
 
 if TYPE_CHECKING:
-    from hf_zero.engine.zero_engine import ZeroEngine
+    from hf_zero.engine.state_view import EngineState
     from hf_zero.sharding.flat_group import FlatParamGroup
 
 
 def save_checkpoint(
-    engine: ZeroEngine, directory: str | Path, keep_last: int | None = None
+    engine: EngineState, directory: str | Path, keep_last: int | None = None
 ) -> None:
     """Write the checkpoint atomically (collective). ``keep_last`` prunes older siblings.
 
@@ -69,12 +69,12 @@ def _piece_bytes(pieces: list[Piece]) -> int:
     )
 
 
-def _barrier(engine: ZeroEngine) -> None:
+def _barrier(engine: EngineState) -> None:
     """Every rank of the world is here (booked in ``engine.comm_stats`` as control traffic)."""
     engine.comm.for_purpose("control").barrier(engine.topology.world)
 
 
-def _rank_pieces(engine: ZeroEngine) -> list[Piece]:
+def _rank_pieces(engine: EngineState) -> list[Piece]:
     """This rank's file as pieces: the RNG state, then one piece per group (its fp32 master
     shard and optimizer state), read only when it is written (`write_streamed`)."""
     rng = {"rng.torch": torch.get_rng_state()}
@@ -89,7 +89,7 @@ def _rank_pieces(engine: ZeroEngine) -> list[Piece]:
     return pieces
 
 
-def _group_tensors(engine: ZeroEngine, group: FlatParamGroup) -> dict[str, torch.Tensor]:
+def _group_tensors(engine: EngineState, group: FlatParamGroup) -> dict[str, torch.Tensor]:
     tensors = {f"{group.index}.master": group.master_values().to("cpu", torch.float32)}
     for key, value in engine.optimizer.state_of(group).items():
         if torch.is_tensor(value):
@@ -101,7 +101,7 @@ def _spec(tensors: dict[str, torch.Tensor]) -> dict:
     return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
-def _meta(engine: ZeroEngine) -> dict:
+def _meta(engine: EngineState) -> dict:
     groups = [
         {
             "index": g.index,
@@ -147,7 +147,7 @@ def _write_safetensors(pieces: list[Piece], path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
+def load_checkpoint(engine: EngineState, directory: str | Path) -> None:
     """Restore master weights, optimizer state and counters, resharding to this run's layout."""
     directory = Path(directory)
     meta = read_meta(directory)
@@ -181,7 +181,7 @@ def load_checkpoint(engine: ZeroEngine, directory: str | Path) -> None:
         )
     with torch.no_grad():
         for group in engine.groups:
-            group.gather_params(async_op=False)  # parameters follow the restored masters
+            group.refresh_params(async_op=False)  # parameters follow the restored masters
     for param_group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for key, value in saved.items():
             param_group[key] = tuple(value) if isinstance(value, list) else value
@@ -244,7 +244,7 @@ def _finite(reader: ShardReader, name: str, key: str, values: torch.Tensor) -> t
     return values
 
 
-def _check_same_model(engine: ZeroEngine, meta: dict, directory: Path) -> None:
+def _check_same_model(engine: EngineState, meta: dict, directory: Path) -> None:
     saved = {
         slot["name"]: tuple(slot["shape"]) for group in meta["groups"] for slot in group["params"]
     }

@@ -23,7 +23,7 @@ import torch
 from hf_zero.sharding.stage3.gathered import gathered
 
 if TYPE_CHECKING:
-    from hf_zero.engine.zero_engine import ZeroEngine
+    from hf_zero.engine.state_view import EngineState
     from hf_zero.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Export:
     keep: bool = True
 
 
-def saved_export(engine: ZeroEngine, keep: bool, only_trainable: bool = False) -> Export:
+def saved_export(engine: EngineState, keep: bool, only_trainable: bool = False) -> Export:
     """What ``save_model`` writes: each parameter in the dtype it had before training, trainable
     ones from their fp32 master weights (an fp32 model trained with ``--bf16`` under autocast
     stays fp32); with the config's ``save_16bit_model`` the parameters as trained."""
@@ -54,7 +54,7 @@ def saved_export(engine: ZeroEngine, keep: bool, only_trainable: bool = False) -
     return Export(True, True, only_trainable, keep)
 
 
-def state_dict_pieces(engine: ZeroEngine, export: Export) -> Iterator[dict[str, torch.Tensor]]:
+def state_dict_pieces(engine: EngineState, export: Export) -> Iterator[dict[str, torch.Tensor]]:
     """The model's state dict in pieces: one per group (gathered, copied to CPU, released),
     then one of everything else. Collective: every rank must consume every piece. Tied keys
     share one tensor within a piece."""
@@ -114,7 +114,7 @@ def state_dict_pieces(engine: ZeroEngine, export: Export) -> Iterator[dict[str, 
         )  # fmt: skip
 
 
-def exported_groups(engine: ZeroEngine, export: Export) -> list[FlatParamGroup]:
+def exported_groups(engine: EngineState, export: Export) -> list[FlatParamGroup]:
     """The groups an export gathers, in the order it gathers them."""
     groups = engine.groups + engine.frozen_groups
     return [g for g in groups if g.trainable or not export.only_trainable]
@@ -144,7 +144,7 @@ def collect(pieces: Iterator[dict[str, torch.Tensor]], order: list[str]) -> dict
 
 
 def full_state_dict(
-    engine: ZeroEngine, rank0_only: bool = True, master_weights: bool = False
+    engine: EngineState, rank0_only: bool = True, master_weights: bool = False
 ) -> dict[str, torch.Tensor]:
     """See `ZeroEngine.full_state_dict`."""
     keep = not rank0_only or engine.topology.rank == 0
@@ -154,7 +154,7 @@ def full_state_dict(
 
 
 def saved_state_dict(
-    engine: ZeroEngine, rank0_only: bool = True, only_trainable: bool = False
+    engine: EngineState, rank0_only: bool = True, only_trainable: bool = False
 ) -> dict[str, torch.Tensor]:
     """What a saved model holds (collective; ``{}`` off rank 0 with ``rank0_only``), see
     `saved_export`. ``only_trainable``: the trainable parameters only (what an adapter save

@@ -47,13 +47,13 @@ from hf_zero.engine.save_failure import agree_on_failure
 from hf_zero.storage.safetensors import write_streamed
 
 if TYPE_CHECKING:
-    from hf_zero.engine.zero_engine import ZeroEngine
+    from hf_zero.engine.state_view import EngineState
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def streamable(engine: ZeroEngine) -> bool:
+def streamable(engine: EngineState) -> bool:
     """Whether `save_pretrained` can stream this engine's model (module docstring)."""
     model = engine.module
     return (
@@ -65,7 +65,7 @@ def streamable(engine: ZeroEngine) -> bool:
     )
 
 
-def route_model_save(engine: ZeroEngine) -> None:
+def route_model_save(engine: EngineState) -> None:
     """Make the model's own ``save_pretrained(dir)`` (no ``state_dict``, safetensors, no hub
     push) stream through `save_pretrained` under stage 3, instead of the state-dict hooks'
     whole CPU copy on every rank; any other call goes to transformers' own as before. A PEFT
@@ -121,7 +121,7 @@ class FilePlan:
 
 
 def save_pretrained(
-    engine: ZeroEngine,
+    engine: EngineState,
     save_directory: str | os.PathLike,
     is_main_process: bool = True,
     max_shard_size: int | str = "50GB",
@@ -180,7 +180,7 @@ def save_pretrained(
 
 
 def piece_specs(
-    engine: ZeroEngine, original_dtypes: bool, master_weights: bool
+    engine: EngineState, original_dtypes: bool, master_weights: bool
 ) -> list[dict[str, Spec]]:
     """The specs of the pieces `state_dict_pieces` will yield, in order, read from the
     parameters' metadata (nothing gathered)."""

@@ -12,11 +12,11 @@ from hf_zero.comm.topology import current_device
 from hf_zero.storage.disk_space import save_failed_error
 
 if TYPE_CHECKING:
-    from hf_zero.engine.zero_engine import ZeroEngine
+    from hf_zero.engine.state_view import EngineState
 
 
 def agree_on_failure(
-    engine: ZeroEngine,
+    engine: EngineState,
     failure: Exception | None,
     nbytes: int,
     folder: Path,

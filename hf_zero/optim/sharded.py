@@ -272,7 +272,7 @@ class ShardedOptimizer:
         with clock.phase("optimizer"):
             self.master_step()
         clock.mark("optimizer step: master weights updated")
-        works = [g.gather_params(async_op=True) for g in self.groups]
+        works = [g.refresh_params(async_op=True) for g in self.groups]
         for work in works:
             if work is not None:
                 work.wait()

@@ -48,6 +48,13 @@ The group is the *when*; small objects chosen once, at construction, hold the *h
 * a gradient intake (`hf_zero.sharding.grad_intake`): stage 0 all-reduces ``flat_grad``, stage 1
   reduce-scatters it and keeps the sum in its own region, stages 2-3 copy into the bucket's
   reduction input.
+
+One word per event of a group's life: ``gather`` / ``release`` (stage 3: the full parameters
+assembled from the shards, and dropped again; ``prefetch_shard`` reads an NVMe shard ahead of
+its gather); ``launch_reduce`` / ``wait_reduce`` / ``finish_reduce`` (a gradient reduction
+started, waited for, handed to the master weights; ``land_reduction`` copies an offloaded one
+out early); ``refresh_params`` (after the step, the parameters follow the stepped master
+weights); ``broadcast_from`` (a rank's edit of the gathered parameters becomes everyone's).
 """
 
 from __future__ import annotations
@@ -56,27 +63,21 @@ import zlib
 
 import torch
 
-from hf_zero.comm import Collectives, ZeroPPSettings
-from hf_zero.comm.topology import Group
 from hf_zero.numerics.packed import PackedViews
 from hf_zero.sharding.accounting import group_held_bytes
 from hf_zero.sharding.codecs import ExactGather, QgZReduce, gather_codec, reduce_codec
 from hf_zero.sharding.grad_intake import grad_intake
+from hf_zero.sharding.group_spec import GroupSpec
 from hf_zero.sharding.layout import FlatLayout
 from hf_zero.sharding.master import TILES_SENT, MasterWeights, master_weights
 from hf_zero.sharding.placement import Placement, ReplicatedParams, ShardedParams, WholeParams
 from hf_zero.sharding.tiers import PARAM_TIERS, QuantizedTier, Tier
-from hf_zero.sharding.tiers.nvme import NvmeParams
-from hf_zero.storage.swap import SwapSpace
 
 
 class FlatParamGroup:
-    """A bucket of same-dtype parameters from one optimizer param group (or frozen ones).
-
-    ``param_tier`` (stage 3) names where the shard lives (`hf_zero.sharding.tiers.PARAM_TIERS`);
-    ``param_swap`` (`NvmeParams`: swap space and host budget) and ``optimizer_swap`` (a swap
-    space) serve the NVMe tiers. ``compact_master``: the 16-bit parameters are the master
-    (`CompactMaster`); ``state_dtype``: elementwise optimizer state kept in that dtype.
+    """A bucket of same-dtype parameters from one optimizer param group (or frozen ones),
+    built as ``spec`` (`hf_zero.sharding.group_spec.GroupSpec`) says. ``packed``: the
+    parameters are bitsandbytes codes, moved as bytes.
     """
 
     def __init__(
@@ -85,23 +86,14 @@ class FlatParamGroup:
         param_group_index: int | None,
         names: list[str],
         params: list[torch.nn.Parameter],
-        stage: int,
-        dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        shard_group: Group,
-        rank: int,
-        comm: Collectives,
-        offload: bool = False,
-        zeropp: ZeroPPSettings | None = None,
-        param_tier: str = "none",
-        param_swap: NvmeParams | None = None,
-        optimizer_swap: SwapSpace | None = None,
+        spec: GroupSpec,
         packed: bool = False,
-        compact_master: bool = False,
-        state_dtype: torch.dtype | None = None,
     ) -> None:
+        stage, dtype, reduce_dtype = spec.stage, spec.dtype, spec.reduce_dtype
+        shard_group, rank, comm = spec.shard_group, spec.rank, spec.comm
+        self.spec = spec
         self.index = index
-        self.zeropp = zpp = zeropp or ZeroPPSettings()
+        self.zeropp = zpp = spec.zeropp
         self.tp_split = False
         """AutoTP: the parameters are this rank's slices (their gradient norms add over TP)."""
         self.param_group_index = param_group_index
@@ -124,14 +116,14 @@ class FlatParamGroup:
         shard = self.layout.shard_range(self.shard_index)
         self.flat_param: torch.Tensor | None = None  # stage 3: only while gathered
         self.tier: Tier | None = None  # stage 3: where the shard lives between gathers
-        self.placement = self._placement(initial, shard, param_tier, param_swap)
+        self.placement = self._placement(initial, shard, spec.param_tier, spec.param_swap)
         self.master_weights: MasterWeights | None = None
         if self.trainable:
-            offload_to = "nvme" if optimizer_swap is not None else "cpu" if offload else "none"
             self.master_weights = master_weights(
                 initial[shard[0] : shard[1]], self.placement, dtype == torch.float32,
-                shard_group.size, offload_to, optimizer_swap, pin=self.device.type == "cuda",
-                compact=compact_master, state_dtype=state_dtype,
+                shard_group.size, spec.offload_optimizer, spec.optimizer_swap,
+                pin=self.device.type == "cuda", compact=spec.compact_master,
+                state_dtype=spec.state_dtype,
                 salt=zlib.crc32("\n".join(names).encode()) * 4096 + self.shard_index,
             )  # fmt: skip
         del initial
@@ -352,7 +344,7 @@ class FlatParamGroup:
         self.num_ready = 0
 
     # --- after the optimizer step ------------------------------------------------------------
-    def gather_params(self, async_op: bool):
+    def refresh_params(self, async_op: bool):
         """Bring the parameters up to date with the stepped master weights; a collective's
         work handle, or None."""
         self.release()  # stage 3: a copy gathered before the step would be stale
@@ -367,7 +359,7 @@ class FlatParamGroup:
         from the master) to where the parameters live."""
         self.master_weights.send_tile(start, end, values, self.placement)
 
-    def publish_from(self, src: int) -> None:
+    def broadcast_from(self, src: int) -> None:
         """While gathered: broadcast the full parameters from global rank ``src`` and make the
         shard and fp32 master weights follow, so the change survives the next step."""
         self.comm.broadcast(self.flat_param, src, self.shard_group)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +21,7 @@ from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.numerics.packed import is_int8_linear, is_packed, prepare_int8_module
 from hf_zero.numerics.precision import dtype_of
 from hf_zero.sharding.flat_group import FlatParamGroup
+from hf_zero.sharding.group_spec import GroupSpec
 from hf_zero.sharding.layout import bucket_params
 from hf_zero.sharding.stage3.partitioned_init import unshard
 from hf_zero.sharding.stage3.partitioned_load import slice_of, unshard_params
@@ -159,38 +161,42 @@ class GroupBuilder:
             host = HostShare(self.config.offload_optimizer_ratio, sum(map(true_numel, trainable)))
         # offload_optimizer: nvme - the buckets whose shards fit stay in host memory instead.
         cache = HostBudget(self.config.offload_optimizer_max_in_cpu)
-        reduce_dtype = dtype_of(self.config.communication_data_type, self.dtype)
+        base = GroupSpec(
+            stage=self.config.stage,
+            dtype=self.dtype,
+            reduce_dtype=dtype_of(self.config.communication_data_type, self.dtype),
+            shard_group=self.topology.dp,
+            rank=self.topology.rank,
+            comm=self.comm,
+            zeropp=self.zeropp,
+            param_swap=self.nvme_params,
+            compact_master=self.config.master_weights_dtype == "bf16",
+            state_dtype=torch.bfloat16 if self.config.optimizer_states_dtype == "bf16" else None,
+        )
+
+        def spec_for(pg_index: int | None, numel: int, stage: int) -> GroupSpec:
+            """Where this group's master and state live (host share, NVMe, or its host
+            cache), and its parameter tier."""
+            tier = self.config.offload_param if stage == 3 else "none"
+            swap = self.swaps.get("offload_optimizer") if pg_index is not None else None
+            if swap is not None and not cache.take(-(-numel // self.topology.dp.size)):
+                where = "nvme"
+            elif swap is not None or (
+                pg_index is not None and host is not None and host.takes(numel)
+            ):
+                where, swap = "cpu", None
+            else:
+                where = "none"
+            return replace(
+                base, stage=stage, param_tier=tier, offload_optimizer=where, optimizer_swap=swap
+            )
 
         def make(
             pg_index: int | None, params: list, stage: int, packed: bool = False
         ) -> FlatParamGroup:
-            numel = sum(map(true_numel, params))
-            offload = pg_index is not None and host is not None and host.takes(numel)
-            swap = self.swaps.get("offload_optimizer") if pg_index is not None else None
-            if swap is not None and cache.take(-(-numel // self.topology.dp.size)):
-                swap, offload = None, True
-            group = FlatParamGroup(
-                index=0,
-                param_group_index=pg_index,
-                names=[names[id(p)] for p in params],
-                params=params,
-                stage=stage,
-                dtype=self.dtype,
-                reduce_dtype=reduce_dtype,
-                shard_group=self.topology.dp,
-                rank=self.topology.rank,
-                comm=self.comm,
-                offload=offload,
-                zeropp=self.zeropp,
-                param_tier=self.config.offload_param if stage == 3 else "none",
-                param_swap=self.nvme_params,
-                optimizer_swap=swap,
-                packed=packed,
-                compact_master=self.config.master_weights_dtype == "bf16",
-                state_dtype=torch.bfloat16
-                if self.config.optimizer_states_dtype == "bf16"
-                else None,
-            )
+            spec = spec_for(pg_index, sum(map(true_numel, params)), stage)
+            group_names = [names[id(p)] for p in params]
+            group = FlatParamGroup(0, pg_index, group_names, params, spec, packed=packed)
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()
             group.tp_split = self.tp_split(params[0])

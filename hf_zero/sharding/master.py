@@ -128,7 +128,7 @@ class MasterWeights:
 
     def load(self, master: torch.Tensor, state: dict, optimizer, placement: Placement) -> None:
         """Replace the master shard and its optimizer state (a loaded checkpoint); the caller
-        then brings the parameters up to date (`FlatParamGroup.gather_params`)."""
+        then brings the parameters up to date (`FlatParamGroup.refresh_params`)."""
         self.param.copy_(master)
         state = {k: v.to(self.param.device) if torch.is_tensor(v) else v for k, v in state.items()}
         # A checkpoint's state in the dtype this run keeps it in (fp32 or 16-bit state saved by

@@ -42,7 +42,7 @@ def gathered_parameters(params, modifier_rank: int | None = None) -> Iterator[No
         if modifier_rank is not None:
             with torch.no_grad():
                 for group in groups:
-                    group.publish_from(modifier_rank)
+                    group.broadcast_from(modifier_rank)
 
 
 def _group_of(param: torch.Tensor) -> FlatParamGroup | None:

@@ -14,7 +14,7 @@ load-state-dict hooks on every module whose subtree holds engine-managed paramet
   themselves, untouched (the engine's own ``full_state_dict`` reads them that way).
 * ``load_state_dict()``: the same gather before torch copies the values in; then the new values
   of rank 0 of the data-parallel group are broadcast and written into the shards and the fp32
-  master weights (`FlatParamGroup.publish_from`, as ``gathered_parameters(modifier_rank=0)``),
+  master weights (`FlatParamGroup.broadcast_from`, as ``gathered_parameters(modifier_rank=0)``),
   so they survive the next step. ``assign=True`` is refused.
 * AutoTP: ``state_dict()`` also all-gathers each tensor-parallel slice over the TP group (whole
   weights, as ``full_state_dict``); ``load_state_dict()`` would have to split them and is
@@ -207,7 +207,7 @@ class StateDictHooks:
         """Rank 0's loaded values into every rank's shards and fp32 master weights."""
         with torch.no_grad():
             for group in groups:
-                group.publish_from(group.shard_group.ranks[0])
+                group.broadcast_from(group.shard_group.ranks[0])
 
     # --- sessions: one outermost call and the calls torch makes on its submodules ------------
     def _enter(self, module: torch.nn.Module, kind: str) -> None:

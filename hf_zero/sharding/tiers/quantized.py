@@ -36,7 +36,7 @@ class QuantizedTier(Tier):
         return self.data
 
     def write_(self, values: torch.Tensor, start: int = 0, non_blocking: bool = False) -> None:
-        """Re-quantize from new values (only whole shards: `FlatParamGroup.publish_from`)."""
+        """Re-quantize from new values (only whole shards: `FlatParamGroup.broadcast_from`)."""
         if start != 0 or values.numel() != self.data.numel:
             raise ValueError("hf_zero: a quantized shard is only ever replaced whole")
         self.data = quantize_frozen(values, self.format, self.bits, self.block_size)
