@@ -27,7 +27,7 @@ class GroupSpec:
 
     stage: int
     dtype: torch.dtype
-    """The parameters' (and full buffer's) dtype."""
+    """The parameters' (and full buffer's) dtype; a packed group holds their bytes instead."""
     reduce_dtype: torch.dtype
     """What gradients are reduced in (``communication_data_type``)."""
     shard_group: Group
