@@ -9,6 +9,8 @@ loop's contents are visible in one place.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 LONG_FILES = {
@@ -81,9 +83,17 @@ LONG_CASES = {
 """Long cases in files that are otherwise quick (a fixture's users all listed: it runs once)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    seen: dict[str, set[str]] = {}
     for item in items:
         name = item.path.name
-        case = item.originalname if hasattr(item, "originalname") else item.name
+        case = getattr(item, "originalname", item.name)
+        seen.setdefault(name, set()).add(case)
         if name in LONG_FILES or case in LONG_CASES.get(name, ()):
             item.add_marker(pytest.mark.long)
+    # A renamed case must not fall out of the list unnoticed (and into the fast loop).
+    stale = [f"{f}::{c}" for f, cases in LONG_CASES.items() if f in seen for c in cases - seen[f]]
+    stale += [f for f in LONG_FILES | set(LONG_CASES) if not (Path(__file__).parent / f).exists()]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py names cases that do not exist: {stale}")
