@@ -23,13 +23,9 @@ SCRIPT = str(ROOT / "tests" / "scripts" / "stock_trainer.py")
 SHARDED = "model.layers.0.self_attn.q_proj.weight"
 
 
-def _launch(args: list[str], env: dict | None = None, check: bool = True):
-    return launch(args, env=env, check=check)
-
-
 def _launch_reference(args: list[str], out: Path, env: dict | None = None) -> None:
     """The plain torch run a test compares with; finished when both ranks wrote their report."""
-    done = _launch(args, env=env, check=False)
+    done = launch(args, env=env, check=False)
     assert_reference_run_finished(done, len(list(out.glob("report_rank*.json"))) == 2)
 
 
@@ -83,7 +79,7 @@ def test_unmodified_script_under_hf_zero_run_is_sharded_and_saves_a_loadable_mod
 ):
     out = tmp_path / "out"
     args = ["-m", "hf_zero.run", SCRIPT, *variant, "--output_dir", str(out), *TRAIN_ARGS]
-    done = _launch([*args, "--zero_stage", "3"])
+    done = launch([*args, "--zero_stage", "3"])
     r = _report(out)
     assert "ZeroTrainer" in r["mro"] and r["hf_zero_imported"], r["mro"]
     if variant == ["--subclass"]:
@@ -107,7 +103,7 @@ def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
         out = tmp_path / f"out{len(variant)}"
         bf16 = [] if variant else ["--bf16"]
         args = ["-m", "hf_zero.run", SCRIPT, *variant, *bf16, "--output_dir", str(out)]
-        done = _launch([*args, *TRAIN_ARGS, "--zero_stage", "2"])
+        done = launch([*args, *TRAIN_ARGS, "--zero_stage", "2"])
         assert "hf_zero: stage 2 over 2 data-parallel ranks, bf16" in done.stderr, done.stderr
     # Saved as the same script saves under plain DDP (autocast over fp32 weights): fp32.
     ddp = tmp_path / "ddp"
@@ -136,7 +132,7 @@ def test_the_stock_trainer_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tmp
     plain = _report(ddp)
     assert plain["mro"][:2] == ["Trainer", "object"] and not plain["hf_zero_imported"]
     assert plain["sizes"][SHARDED] == 64 * 64 and plain["reloaded_diff"] < 1e-5
-    done = _launch(
+    done = launch(
         ["-m", "hf_zero.run", SCRIPT, "--output_dir", str(zero), *TRAIN_ARGS, "--zero_stage", "3"]
     )
     r = _report(zero)
@@ -162,7 +158,7 @@ def test_pipeline_stages_under_hf_zero_run_equal_plain_ddp(tmp_path):
     args = [*TRAIN_ARGS, "--gradient_accumulation_steps", "2"]
     _launch_reference([SCRIPT, "--output_dir", str(ddp), *args, "--use_cpu", "true"], ddp)
     flags = ["--pp_size", "2", "--zero_stage", "1"]
-    done = _launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp),
+    done = launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp),
                     *args, *flags])  # fmt: skip
     start = "hf_zero: pipeline of 2 stages (1f1b) x 2 data-parallel (ZeRO stage 1)"
     assert done.stderr.count(start) == 1, done.stderr[-3000:]
@@ -203,7 +199,7 @@ def test_trl_lora_adapter_is_saved_once_and_complete(tmp_path):
 
     out = tmp_path / "out"
     args = [SCRIPT, *TRL_ARGS, "--lora", "--output_dir", str(out), *TRAIN_ARGS]
-    done = _launch(["-m", "hf_zero.run", *args, "--zero_stage", "3"])
+    done = launch(["-m", "hf_zero.run", *args, "--zero_stage", "3"])
     tensors = load_file(out / "adapter_model.safetensors")
     # r=4 on q_proj and v_proj of 2 layers: 2 layers x 2 modules x (lora_A, lora_B)
     assert len(tensors) == 8 and all(t.numel() > 0 for t in tensors.values()), list(tensors)
@@ -234,9 +230,7 @@ def test_trl_qlora_under_hf_zero_run_matches_its_own_ddp_run(tmp_path):
     args.insert(-len(TRAIN_ARGS), "--evaluate_first")
     for stage in ("0", "3"):
         out = tmp_path / f"zero{stage}"
-        done = _launch(
-            ["-m", "hf_zero.run", *args, "--output_dir", str(out), "--zero_stage", stage]
-        )
+        done = launch(["-m", "hf_zero.run", *args, "--output_dir", str(out), "--zero_stage", stage])
         _check_one_data_parallel_group(out, done.stdout)
         losses[stage] = _losses(_reports(out)[0])
     baselines = [_reports(tmp_path / f"zero{stage}")[0]["baseline_eval_loss"] for stage in "03"]
@@ -257,8 +251,8 @@ def test_unmodified_accelerate_loop_under_hf_zero_run_equals_plain_ddp(tmp_path)
     from safetensors.torch import load_file
 
     ddp, zero = tmp_path / "ddp", tmp_path / "zero"
-    _launch([LOOP, "--output_dir", str(ddp)], env={"ACCELERATE_USE_CPU": "true"})
-    done = _launch(["-m", "hf_zero.run", LOOP, "--output_dir", str(zero), "--zero_stage", "3"])
+    launch([LOOP, "--output_dir", str(ddp)], env={"ACCELERATE_USE_CPU": "true"})
+    done = launch(["-m", "hf_zero.run", LOOP, "--output_dir", str(zero), "--zero_stage", "3"])
     reference, ours = (json.loads((d / "results_rank0.json").read_text()) for d in (ddp, zero))
     assert (reference["accelerator"], ours["accelerator"]) == ("Accelerator", "ZeroAccelerator")
     assert reference["num_processes"] == ours["num_processes"] == 2
@@ -291,7 +285,7 @@ def test_hf_zero_config_alone_activates_through_the_autoload_hook(tmp_path):
         "HF_ZERO_CONFIG": str(ROOT / "configs" / "zero" / "stage3.yaml"),
         "PYTHONPATH": str(site_dir),
     }
-    done = _launch([SCRIPT, "--output_dir", str(out), *TRAIN_ARGS], env=env)
+    done = launch([SCRIPT, "--output_dir", str(out), *TRAIN_ARGS], env=env)
     r = _report(out, trained_in=torch.bfloat16)  # stage3.yaml trains in bf16
     assert "ZeroTrainer" in r["mro"] and r["sizes"][SHARDED] == 0
     assert r["reloaded_diff"] < 1e-5

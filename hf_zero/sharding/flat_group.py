@@ -91,7 +91,6 @@ class FlatParamGroup:
     ) -> None:
         stage, dtype, reduce_dtype = spec.stage, spec.dtype, spec.reduce_dtype
         shard_group, rank, comm = spec.shard_group, spec.rank, spec.comm
-        self.spec = spec
         self.index = index
         self.zeropp = zpp = spec.zeropp
         self.tp_split = False
