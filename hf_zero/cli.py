@@ -270,11 +270,11 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
 
 def _print_memory_first_defaults(args: argparse.Namespace, shape) -> None:
     """What a config that names no sizes gets under NVMe or parameter offload (the rows above
-    assume them): `ZeroConfig.resolve_auto` decides, so this reads the same values."""
+    assume them): `ZeroConfig.resolved` decides, so this reads the same values."""
     from hf_zero.config import ZeroConfig
     from hf_zero.memory import BYTES
 
-    config = ZeroConfig(stage=3, offload_param="cpu").resolve_auto(hidden_size=shape.hidden)
+    config = ZeroConfig(stage=3, offload_param="cpu").resolved(hidden_size=shape.hidden)
     b, mib = BYTES[args.precision], 2**20
     print(
         "defaults when a tier is on NVMe or parameters are offloaded (any size you set is kept): "

@@ -110,7 +110,7 @@ def test_hf_docs_zero2_example_loads(tmp_path):
     assert cfg.reduce_bucket_size == 200_000_000 and isinstance(cfg.reduce_bucket_size, int)
     assert cfg.precision == "auto" and cfg.gradient_accumulation_steps == "auto"
     assert cfg.optimizer["type"] == "AdamW"
-    cfg.resolve_auto(
+    cfg = cfg.resolved(
         hidden_size=64,
         micro_batch_size=4,
         gradient_accumulation_steps=2,
@@ -143,7 +143,12 @@ def test_hf_docs_zero3_example_loads_and_resolves_from_hidden_size(tmp_path):
     path.write_text(json.dumps(nvme))
     assert _load_quiet(path).nvme_path_for("offload_param") == str(tmp_path)
     assert cfg.max_live_parameters == 10**9 and isinstance(cfg.max_live_parameters, int)
-    cfg.resolve_auto(hidden_size=64)
+    given = cfg
+    cfg = cfg.resolved(hidden_size=64)
+    assert given.reduce_bucket_size == "auto"  # a new config; the one given stays as it was
+    with pytest.raises(AttributeError, match="cannot set 'stage' on a resolved config"):
+        cfg.stage = 2  # an engine reads it: nothing changes it under the engine
+    assert cfg.replace(max_live_parameters=7).max_live_parameters == 7 and cfg.stage == 3
     assert cfg.reduce_bucket_size == 64 * 64
     assert cfg.prefetch_bucket_size == int(0.9 * 64 * 64)
     assert cfg.param_persistence_threshold == 10 * 64

@@ -466,15 +466,15 @@ def test_nvme_defaults_keep_the_whole_run_within_the_estimate(tmp_path):
 def test_memory_first_defaults_are_bounded_and_given_sizes_kept():
     h = 768
     nvme = dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_path="/tmp")
-    bounded = hf_zero.ZeroConfig(**nvme).resolve_auto(hidden_size=h)
+    bounded = hf_zero.ZeroConfig(**nvme).resolved(hidden_size=h)
     assert bounded.reduce_inflight_numel == 2 * h * h  # not 2 x the 5e7 bucket
     assert bounded.prefetch_bucket_size <= h * h
-    offloaded = hf_zero.ZeroConfig(stage=3, offload_param="cpu").resolve_auto(hidden_size=None)
+    offloaded = hf_zero.ZeroConfig(stage=3, offload_param="cpu").resolved(hidden_size=None)
     assert offloaded.prefetch_bucket_size == 1  # one unit ahead, with no hidden size to size it
-    plain = hf_zero.ZeroConfig(stage=3).resolve_auto(hidden_size=h)
+    plain = hf_zero.ZeroConfig(stage=3).resolved(hidden_size=h)
     assert plain.reduce_inflight_numel == 2 * plain.reduce_bucket_size == 10**8
     given = hf_zero.ZeroConfig(**nvme, reduce_inflight_numel=10**8, prefetch_bucket_size=10**7)
-    given.resolve_auto(hidden_size=h)
+    given.resolved(hidden_size=h)
     assert (given.reduce_inflight_numel, given.prefetch_bucket_size) == (10**8, 10**7)
 
 

@@ -116,7 +116,7 @@ def _one_file(nvme: str, precision: str) -> dict:
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
     shard = sum(g.layout.shard_numel for g in engine.groups)
-    sharded = [g for g in engine.groups if g.tier is not None]  # small ones stay whole
+    sharded = [g for g in engine.groups if g.stage == 3]  # small ones stay whole
     out = {
         "shared": [g.tier.shared for g in sharded],
         "same_file": [g.tier.file is g.master_weights.swapped.files["master"] for g in sharded],

@@ -48,8 +48,8 @@ AUTO_FALLBACKS = {
 class ZeroConfig:
     """All hf_zero settings. Sizes are in elements, as in DeepSpeed.
 
-    Fields that accept ``"auto"`` are resolved by :meth:`resolve_auto` from the model (hidden size)
-    or the training arguments, like the Hugging Face DeepSpeed integration does.
+    Fields that accept ``"auto"`` are resolved by :meth:`resolved` (a new config) from the model
+    (hidden size) or the training arguments, like the Hugging Face DeepSpeed integration does.
     """
 
     # --- ZeRO stage and precision -------------------------------------------------------------
@@ -298,7 +298,7 @@ class ZeroConfig:
         return dataclasses.replace(self, **changes)
 
     # --- "auto" ------------------------------------------------------------------------------
-    def resolve_auto(
+    def resolved(
         self,
         hidden_size: int | None = None,
         micro_batch_size: int | None = None,
@@ -308,13 +308,16 @@ class ZeroConfig:
         precision: str | None = None,
         final: bool = True,
     ) -> ZeroConfig:
-        """Replace ``"auto"`` values, in place, with values derived from the model and arguments.
+        """A new config with ``"auto"`` values derived from the model and arguments (this one
+        is left as it is).
 
         Follows the Hugging Face DeepSpeed integration: bucket sizes from ``hidden_size``,
         batch sizes from the training arguments. Fields still ``"auto"`` for lack of information
         fall back to DeepSpeed's defaults, unless ``final=False`` (more is known later: the
-        Trainer resolves its arguments first, `initialize` the model's hidden size).
+        Trainer resolves its arguments first, `initialize` the model's hidden size). A final
+        config is read-only: an engine reads it and nothing changes it under the engine.
         """
+        out = dataclasses.replace(self)
         h2 = hidden_size * hidden_size if hidden_size else None
         derived = {
             "reduce_bucket_size": h2,
@@ -325,23 +328,33 @@ class ZeroConfig:
             "gradient_clipping": max_grad_norm,
             "precision": precision,
         }
-        if self.memory_first and final:
+        if out.memory_first and final:
             # Without a hidden size: one unit ahead (a budget under one unit gathers one).
             derived["prefetch_bucket_size"] = derived["prefetch_bucket_size"] or 1
         for name, value in derived.items():
-            if getattr(self, name) == AUTO and (value is not None or final):
-                setattr(self, name, value if value is not None else AUTO_FALLBACKS[name])
-        if self.reduce_inflight_numel == AUTO and self.reduce_bucket_size != AUTO:
-            bucket = h2 if self.memory_first and h2 else None
+            if getattr(out, name) == AUTO and (value is not None or final):
+                setattr(out, name, value if value is not None else AUTO_FALLBACKS[name])
+        if out.reduce_inflight_numel == AUTO and out.reduce_bucket_size != AUTO:
+            bucket = h2 if out.memory_first and h2 else None
             if bucket is not None or final:
-                self.reduce_inflight_numel = 2 * (bucket or self.reduce_bucket_size)
-        if self.train_batch_size == AUTO:
-            mb, gas = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+                out.reduce_inflight_numel = 2 * (bucket or out.reduce_bucket_size)
+        if out.train_batch_size == AUTO:
+            mb, gas = out.train_micro_batch_size_per_gpu, out.gradient_accumulation_steps
             ok = isinstance(mb, int) and isinstance(gas, int) and world_size
             if ok or final:
-                self.train_batch_size = mb * gas * world_size if ok else None
-        self.validate()
-        return self
+                out.train_batch_size = mb * gas * world_size if ok else None
+        out.validate()
+        if final:
+            object.__setattr__(out, "_read_only", True)
+        return out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_read_only"):
+            raise AttributeError(
+                f"hf_zero: cannot set '{name}' on a resolved config (an engine reads it); "
+                "build a new one with ZeroConfig.replace(...)"
+            )
+        super().__setattr__(name, value)
 
     @property
     def memory_first(self) -> bool:

@@ -96,7 +96,7 @@ class PipelineEngine(Engine):
         init_distributed(timeout=config.comm_timeout)
         dp_size = max(1, dist.get_world_size() // (config.pp_size * config.tp_size))
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config.resolve_auto(hidden_size=hidden, world_size=dp_size)
+        config = config.resolved(hidden_size=hidden, world_size=dp_size)
         config.check_batch_sizes(dp_size)
         check_supported(config)
         optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)

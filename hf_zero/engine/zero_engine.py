@@ -65,6 +65,7 @@ class ZeroEngine(Engine):
         optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
 
         self._connect(config)
+        config = self.config  # "auto" resolved, read-only from here on
         self._place_model(model, optimizer)
         self.sequence = sequence.install(model, config, self.topology, self.comm)
         self.host_memory = HostMemoryPolicy(
@@ -102,9 +103,9 @@ class ZeroEngine(Engine):
         )  # fmt: skip
         self.zeropp = zeropp_settings(config, self.topology)
         hidden = getattr(getattr(self.module, "config", None), "hidden_size", None)
-        config.resolve_auto(hidden_size=hidden, world_size=self.topology.data_size)
-        config.check_batch_sizes(self.topology.data_size)
-        self.dtype = DTYPES[config.precision]
+        self.config = config.resolved(hidden_size=hidden, world_size=self.topology.data_size)
+        self.config.check_batch_sizes(self.topology.data_size)
+        self.dtype = DTYPES[self.config.precision]
 
     def _place_model(self, model: torch.nn.Module, optimizer) -> None:
         """Check the model (materialised, the same on every rank), move it to this rank's

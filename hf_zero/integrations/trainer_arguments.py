@@ -139,7 +139,7 @@ def zero_config_for(
             )
     if explicit.get("precision") in (None, AUTO):
         config.precision = AUTO  # filled from --bf16/--fp16 just below
-    config = config.resolve_auto(
+    config = config.resolved(
         micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         max_grad_norm=args.max_grad_norm,

@@ -11,13 +11,12 @@ def group_held_bytes(group) -> dict[str, int]:
     side of the formulas above. ``host_*`` kinds are in host memory (offload), ``nvme_*`` in swap
     files (disk, not memory)."""
     params = _nbytes(group.flat_param) + group.placement.staged_bytes()
-    tier = group.tier.held_bytes() if group.tier is not None else {}
+    tier = group.tier.held_bytes()
     params += tier.pop("params", 0)  # a device shard; an offloaded one stays "host_params"
     grads = _nbytes(group.flat_grad)
-    if group.reduce_codec is not None:
-        grads += group.reduce_codec.residual_bytes()  # qgZ error feedback
+    grads += group.reduce_codec.residual_bytes()  # qgZ error feedback
     extra = {}
-    if group.gather_codec is not None and group.gather_codec.held_bytes():
+    if group.gather_codec.held_bytes():
         extra["secondary_params"] = group.gather_codec.held_bytes()
     if group.master_weights is None:  # frozen
         kinds = {"grads": grads, "master_weights": 0}

@@ -65,13 +65,20 @@ import torch
 
 from hf_zero.numerics.packed import PackedViews
 from hf_zero.sharding.accounting import group_held_bytes
-from hf_zero.sharding.codecs import ExactGather, QgZReduce, gather_codec, reduce_codec
+from hf_zero.sharding.codecs import (
+    ExactGather,
+    NoGather,
+    NoReduce,
+    QgZReduce,
+    gather_codec,
+    reduce_codec,
+)
 from hf_zero.sharding.grad_intake import grad_intake
 from hf_zero.sharding.group_spec import GroupSpec
 from hf_zero.sharding.layout import FlatLayout
 from hf_zero.sharding.master import TILES_SENT, MasterWeights, master_weights
 from hf_zero.sharding.placement import Placement, ReplicatedParams, ShardedParams, WholeParams
-from hf_zero.sharding.tiers import PARAM_TIERS, QuantizedTier, Tier
+from hf_zero.sharding.tiers import PARAM_TIERS, QuantizedTier, ResidentTier, Tier
 
 
 class FlatParamGroup:
@@ -114,7 +121,7 @@ class FlatParamGroup:
         initial = self._initial_values()
         shard = self.layout.shard_range(self.shard_index)
         self.flat_param: torch.Tensor | None = None  # stage 3: only while gathered
-        self.tier: Tier | None = None  # stage 3: where the shard lives between gathers
+        self.tier: Tier = ResidentTier()  # stage 3: where the shard lives between gathers
         self.placement = self._placement(initial, shard, spec.param_tier, spec.param_swap)
         self.master_weights: MasterWeights | None = None
         if self.trainable:
@@ -126,13 +133,14 @@ class FlatParamGroup:
                 salt=zlib.crc32("\n".join(names).encode()) * 4096 + self.shard_index,
             )  # fmt: skip
         del initial
-        self.gather_codec = self.exact_gather = self._gathering_with = self._gather_work = None
-        if self.tier is not None:
+        self._gathering_with = self._gather_work = None
+        self.gather_codec = self.exact_gather = NoGather()
+        if stage == 3:
             self._choose_gather_codecs(permanent=self.tier.permanent or packed)
             self._release_views()
         else:
             self._point_params_at(self.flat_param)
-        self.reduce_codec = None
+        self.reduce_codec = NoReduce()
         if self.trainable:
             self.reduce_codec = reduce_codec(comm, zpp, stage, shard_group, self.numel)
         self.intake = grad_intake(stage, self.layout, params, dtype, reduce_dtype, shard)
@@ -237,7 +245,7 @@ class FlatParamGroup:
 
     def prefetch_shard(self) -> None:
         """Start reading this group's shard ahead of its gather (NVMe tier; else a no-op)."""
-        if self.tier is not None and self.flat_param is None:
+        if self.flat_param is None:
             self.tier.prefetch()
 
     def wait_gather(self) -> None:
@@ -255,12 +263,12 @@ class FlatParamGroup:
 
         A MixZ++ group keeps its own: frozen quantized weights never change.
         """
-        if self.gather_codec is not None:
-            self.gather_codec.forget()
+        self.gather_codec.forget()
 
     def release(self) -> None:
-        """Free the full parameters; only this rank's shard stays (stage 3)."""
-        if self.tier is None or self.flat_param is None:
+        """Free the full parameters; only this rank's shard stays (stage 3; stages 0-2 keep
+        them: their `ResidentTier` keeps the full parameters)."""
+        if self.flat_param is None or self.tier.keeps_full:
             return
         if self._gather_work is not None:
             self._gather_work.wait()
@@ -362,8 +370,7 @@ class FlatParamGroup:
         """While gathered: broadcast the full parameters from global rank ``src`` and make the
         shard and fp32 master weights follow, so the change survives the next step."""
         self.comm.broadcast(self.flat_param, src, self.shard_group)
-        if self.gather_codec is not None:
-            self.gather_codec.forget(permanent_too=True)
+        self.gather_codec.forget(permanent_too=True)
         start, end = self.layout.shard_range(self.shard_index)
         self.placement.write_shard(self.flat_param[start:end])
         if self.master_weights is not None:

@@ -7,6 +7,7 @@ its collective in flight.
 =========================  ======================================================================
 gather codec               what a gather sends
 =========================  ======================================================================
+`NoGather`                 nothing: stages 0-2 hold the full parameters all the time
 `ExactGather`              the 16-bit shards (a MixZ++ tier: its INT8 rows, all it has)
 `QwZGather`                the shards quantized to INT8 blocks + scales (ZeRO++ qwZ)
 `HpZGather` (wraps one)    from the secondary shard kept after the first gather (ZeRO++ hpZ)
@@ -15,6 +16,7 @@ gather codec               what a gather sends
 =========================  ======================================================================
 reduce codec               how a bucket's gradients are summed
 =========================  ======================================================================
+`NoReduce`                 nothing: a frozen group has no gradients
 `AllReduce`                all-reduce of the whole buffer (stage 0)
 `ReduceScatter`            reduce-scatter, each rank keeps its shard (stages 1-3)
 `QgZReduce`                quantized all-to-all, intra- then inter-node (ZeRO++ qgZ, stages 2-3)
@@ -27,8 +29,8 @@ from __future__ import annotations
 
 from hf_zero.comm import Collectives, ZeroPPSettings
 from hf_zero.comm.topology import Group
-from hf_zero.sharding.codecs.gather import ExactGather, HpZGather, QwZGather
-from hf_zero.sharding.codecs.reduce import AllReduce, QgZReduce, ReduceScatter
+from hf_zero.sharding.codecs.gather import ExactGather, HpZGather, NoGather, QwZGather
+from hf_zero.sharding.codecs.reduce import AllReduce, NoReduce, QgZReduce, ReduceScatter
 
 
 def gather_codec(
@@ -57,6 +59,8 @@ __all__ = [
     "AllReduce",
     "ExactGather",
     "HpZGather",
+    "NoGather",
+    "NoReduce",
     "QgZReduce",
     "QwZGather",
     "ReduceScatter",

@@ -10,6 +10,22 @@ from hf_zero.numerics.quant import Quantized
 from hf_zero.sharding.tiers import Tier
 
 
+class NoGather:
+    """Stages 0-2: the full parameters are held all the time; nothing is gathered or kept."""
+
+    def launch(self, out: torch.Tensor, tier: Tier, async_op: bool):
+        raise RuntimeError("hf_zero: stages 0-2 hold the full parameters: nothing to gather")
+
+    def finish(self, out: torch.Tensor, work) -> None:
+        """Nothing to keep."""
+
+    def forget(self, permanent_too: bool = False) -> None:
+        """Nothing kept."""
+
+    def held_bytes(self) -> int:
+        return 0
+
+
 class ExactGather:
     """All-gather what the tier holds: 16-bit shards, or a MixZ++ tier's INT8 rows."""
 

@@ -8,6 +8,21 @@ from hf_zero.comm import Collectives, QuantizedReduceScatter, ZeroPPSettings
 from hf_zero.comm.topology import Group
 
 
+class NoReduce:
+    """A frozen group: no gradients, nothing to reduce."""
+
+    takes_output = False
+
+    def launch(self, full: torch.Tensor, output: torch.Tensor | None, async_op: bool) -> None:
+        raise RuntimeError("hf_zero: a frozen group has no gradients to reduce")
+
+    def wait(self) -> None:
+        """Nothing in flight."""
+
+    def residual_bytes(self) -> int:
+        return 0
+
+
 class ReduceScatter:
     """Reduce-scatter: each rank ends with the sum of its own shard (stages 1-3)."""
 

@@ -180,7 +180,7 @@ def partition_module(
     device = current_device()
     world, rank = dist.get_world_size(), dist.get_rank()
     hidden = getattr(getattr(root, "config", None), "hidden_size", None)
-    threshold = config.replace().resolve_auto(hidden_size=hidden).param_persistence_threshold
+    threshold = config.resolved(hidden_size=hidden).param_persistence_threshold
     found = find_units(root)
     owner = assign_params_to_units(root, [m for _, m in found])
     names = {}

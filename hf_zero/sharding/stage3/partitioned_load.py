@@ -238,7 +238,7 @@ class PretrainedSlicer:
             root = self.parent[id(root)]
         if id(root) not in self.threshold:
             hidden = getattr(getattr(root, "config", None), "hidden_size", None)
-            resolved = self.config.replace().resolve_auto(hidden_size=hidden)
+            resolved = self.config.resolved(hidden_size=hidden)
             self.threshold[id(root)] = resolved.param_persistence_threshold
         return self.threshold[id(root)]
 

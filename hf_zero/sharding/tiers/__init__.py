@@ -7,6 +7,7 @@ asks it for the shard on the device for one gather (`fetch`), may ask it to star
 =============  ==============================  ==================================================
 tier           ``offload_param``               the shard lives
 =============  ==============================  ==================================================
+`ResidentTier` stages 0-2                      nowhere apart: the full parameters stay held
 `DeviceTier`   ``none`` (plain ZeRO-3)         in device memory; gathers read it in place
 `HostTier`     ``cpu``                         in host memory (pinned on CUDA), copied per gather
 `NvmeTier`     ``nvme``                        in a swap file, read ahead in the traced order
@@ -20,7 +21,7 @@ Adding a tier is one module here and one entry in `PARAM_TIERS`.
 
 from __future__ import annotations
 
-from hf_zero.sharding.tiers.device import DeviceTier, HostTier, Tier
+from hf_zero.sharding.tiers.device import DeviceTier, HostTier, ResidentTier, Tier
 from hf_zero.sharding.tiers.nvme import NvmeParams, NvmeTier
 from hf_zero.sharding.tiers.quantized import QuantizedTier
 
@@ -34,5 +35,6 @@ __all__ = [
     "NvmeParams",
     "NvmeTier",
     "QuantizedTier",
+    "ResidentTier",
     "Tier",
 ]

@@ -13,6 +13,7 @@ class Tier:
     values (the NVMe swap space, quantization settings); unused by the in-memory tiers."""
 
     kind = "params"  # `memory_report()` kind of the bytes held
+    keeps_full = False  # True: the full parameters are never released (stages 0-2)
     permanent = False  # True: the shard never changes (MixZ++), gathers may keep copies of it
     in_device_memory = False  # True: ``data`` is the shard on the device (fp32 masters alias it)
 
@@ -47,6 +48,22 @@ class Tier:
 
     def held_bytes(self) -> dict[str, int]:
         raise NotImplementedError
+
+
+class ResidentTier(Tier):
+    """Stages 0-2: no shard is stored apart, the group holds its full parameters all the time;
+    gathers, releases and read-ahead have nothing to do."""
+
+    keeps_full = True
+
+    def __init__(self, values: torch.Tensor | None = None, device=None, context=None) -> None:
+        pass
+
+    def fetch(self) -> torch.Tensor:
+        raise RuntimeError("hf_zero: stages 0-2 hold the full parameters: nothing to gather")
+
+    def held_bytes(self) -> dict[str, int]:
+        return {}  # the group's ``flat_param`` is counted as its parameters
 
 
 class DeviceTier(Tier):
