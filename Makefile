@@ -37,7 +37,7 @@ test: setup
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not long"
 
-# Re-run the notebooks and store their outputs (tests/test_notebooks.py checks they are current).
+# Re-run the notebooks and store their outputs (tests/end_to_end/test_notebooks.py checks they are current).
 notebooks: setup
 	$(BIN)/python scripts/execute_notebooks.py
 

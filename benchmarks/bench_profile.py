@@ -2,7 +2,7 @@
 
     python benchmarks/bench_profile.py [--rounds 5] [--stages 0 3]
 
-2 CPU ranks, a 19M-parameter Llama (the model of tests/test_doctor.py), batch 8 x 128 tokens,
+2 CPU ranks, a 19M-parameter Llama (the model of tests/doctor/test_doctor.py), batch 8 x 128 tokens,
 fp32. Each round runs the same training twice in fresh processes, profiled and not, in
 alternating order; the figure is the median over rounds of (profiled / plain), each side the
 median of 6 steps after a warm-up (the slowest rank). Prints a table and writes

@@ -3,7 +3,7 @@
     python benchmarks/bench_restarts.py [--repeats 3]
 
 Each row launches the unmodified ``recipes/examples/run_clm.py`` under ``-m hf_zero.run`` on 2
-CPU ranks (stage 3) and injects the fault from outside, as tests/test_restarts.py does:
+CPU ranks (stage 3) and injects the fault from outside, as tests/end_to_end/test_restarts.py does:
 
 * SIGTERM to ``accelerate launch`` after step 3, with ``--zero_save_on_sigterm true``: seconds
   to the launcher's exit, and to the "saved checkpoint-N" line (the save itself);

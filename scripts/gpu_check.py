@@ -3,7 +3,7 @@
 Started by ``scripts/gpu_check.sh`` (``make gpu-check``) once it has found a GPU and a Python whose
 torch sees it; see docs/GPU.md. Checks, in order (each its own process, with a time limit):
 
-1. ``tests/test_gpu_lane.py`` with ``HF_ZERO_TEST_DEVICE=cuda``: stages 0-3 (fp32, bf16), offload
+1. ``tests/gpu/test_gpu_lane.py`` with ``HF_ZERO_TEST_DEVICE=cuda``: stages 0-3 (fp32, bf16), offload
    (stages 1-3), ZeRO++, MixZ++, the quantizer, a checkpoint round trip with the CUDA RNG; one
    rank, NCCL, ``cuda:0``. Per test: outcome, seconds, peak ``torch.cuda.max_memory_allocated``.
 2. The multi-rank parity tests, 2 ranks on CPU with gloo (``CUDA_VISIBLE_DEVICES=""``): NCCL
@@ -30,12 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI_RANK = [
-    "tests/test_parity.py",
-    "tests/test_stage3.py",
-    "tests/test_offload.py",
-    "tests/test_zeropp.py",
-    "tests/test_mixz.py",
-    "tests/test_checkpoint.py",
+    "tests/sharding/test_parity.py",
+    "tests/sharding/stage3/test_stage3.py",
+    "tests/sharding/test_offload.py",
+    "tests/sharding/test_zeropp.py",
+    "tests/sharding/test_mixz.py",
+    "tests/checkpoint/test_checkpoint.py",
 ]
 
 
@@ -54,7 +54,7 @@ def checks(python: str, venv: str, out: Path, quick: bool) -> list[Check]:
     steps = [
         Check(
             "gpu tests (1 rank, NCCL, cuda:0)",
-            [*pytest, "tests/test_gpu_lane.py", f"--junitxml={out / 'gpu_tests.xml'}"],
+            [*pytest, "tests/gpu/test_gpu_lane.py", f"--junitxml={out / 'gpu_tests.xml'}"],
             timeout=240,
             env={"HF_ZERO_TEST_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
             junit="gpu_tests.xml",

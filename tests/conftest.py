@@ -84,7 +84,7 @@ LONG_CASES = {
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         name = item.path.name
         case = getattr(item, "originalname", item.name)
@@ -93,10 +93,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # A renamed case must not fall out of the list unnoticed (and into the fast loop). Read
     # from the files, so that a run of a few selected cases checks the same.
     here = Path(__file__).parent
-    stale = [f for f in LONG_FILES | set(LONG_CASES) if not (here / f).exists()]
+    files = {f.name: f for f in here.rglob("test_*.py")}
+    if len(files) != len(list(here.rglob("test_*.py"))):  # modules are imported by name
+        raise pytest.UsageError("two test files under tests/ have the same name")
+    stale = [f for f in LONG_FILES | set(LONG_CASES) if f not in files]
     for f, cases in LONG_CASES.items():
-        if (here / f).exists():
-            text = (here / f).read_text()
+        if f in files:
+            text = files[f].read_text()
             stale += [f"{f}::{c}" for c in sorted(cases) if f"def {c}(" not in text]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py names cases that do not exist: {stale}")
+    _check_test_folders_are_on_the_path(here, files.values(), config.getini("pythonpath"))
+
+
+def _check_test_folders_are_on_the_path(here: Path, files, pythonpath: list) -> None:
+    """Test modules import `helpers` and each other by name (so do the ranks `hf_zero.testing`
+    forks), which works only for folders in pytest's ``pythonpath`` (pyproject.toml)."""
+    configured = {Path(p).resolve() for p in pythonpath}
+    missing = sorted(
+        {
+            str(f.parent.relative_to(here.parent))
+            for f in files
+            if f.parent.resolve() not in configured
+        }
+    )
+    if missing:
+        raise pytest.UsageError(
+            f"test folders {missing} are not in [tool.pytest.ini_options] pythonpath "
+            "(pyproject.toml); add them there"
+        )

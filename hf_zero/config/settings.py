@@ -1,6 +1,6 @@
 """The settings hf_zero takes from the command line: one table, from which the `hf_zero.run` flags,
 the `ZeroTrainingArguments` fields, the recipes' flags, ``hf-zero config --flags`` and the flag
-list in docs/CONFIG.md are all made (`tests/test_config.py` checks they agree).
+list in docs/CONFIG.md are all made (`tests/config/test_config.py` checks they agree).
 
 The naming rule: a flag is ``--zero_`` followed by the config key it sets (``--zero_stage`` sets
 ``stage``, ``--zero_offload_optimizer`` sets ``offload_optimizer``), plus ``--zero_config FILE``

@@ -182,7 +182,7 @@ def _storage_16bit(d: Diagnosis, now: dict, add) -> None:
     add("storage_16bit", "bf16 master weights and optimizer state (fp32 arithmetic per bucket)",
         flags, objects, d.step_s + extra,
         f"{mib(sum(now.values()) - sum(objects.values()))} of fp32 masters and Adam state",
-        ["loss within 1% of fp32 masters over 200 steps (tests/test_storage_16bit.py)"])  # fmt: skip
+        ["loss within 1% of fp32 masters over 200 steps (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
 
 
 def _offload_param(d: Diagnosis, now: dict, add) -> None:

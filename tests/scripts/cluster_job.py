@@ -1,4 +1,4 @@
-"""One job of tests/test_cluster.py, run by ``torchrun --nnodes 2`` in each simulated node.
+"""One job of tests/comm/test_cluster.py, run by ``torchrun --nnodes 2`` in each simulated node.
 
     cluster_job.py parity OUT          stage 3 and torch DDP, same seeds, same run
     cluster_job.py save OUT CKPT       2 steps, save, 2 more steps

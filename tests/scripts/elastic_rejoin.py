@@ -1,4 +1,4 @@
-"""Rejoin a process group in restarted rounds (tests/test_restarts.py): ``elastic_rejoin.py
+"""Rejoin a process group in restarted rounds (tests/end_to_end/test_restarts.py): ``elastic_rejoin.py
 torch|hf_zero`` under ``torchrun --max-restarts N``. Every round forms the group, then rank 1
 fails, until the last round, which ends cleanly. In each restarted round rank 0 comes late, so
 rank 1 looks its peer up first, where the previous round's rank 0 published its address.

@@ -1,4 +1,4 @@
-"""A recipe run with one fault injected (tests/test_faults.py): ``HF_ZERO_TEST_FAULT`` is
+"""A recipe run with one fault injected (tests/end_to_end/test_faults.py): ``HF_ZERO_TEST_FAULT`` is
 ``<what>@<checkpoint folder name>``, where ``what`` is
 
 * ``kill-engine-save``: every rank's process group is SIGKILLed when rank 0 is about to publish

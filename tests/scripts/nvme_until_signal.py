@@ -1,5 +1,5 @@
 """Build a ZeRO-Infinity engine (stage 3, both tiers on NVMe under argv[1]), say so with a file
-``ready-<rank>`` in argv[2], then wait to be stopped (tests/test_faults.py)."""
+``ready-<rank>`` in argv[2], then wait to be stopped (tests/end_to_end/test_faults.py)."""
 
 import os
 import sys

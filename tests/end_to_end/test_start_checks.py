@@ -8,9 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import launch
+from helpers import ROOT, launch
 
-ROOT = Path(__file__).resolve().parents[1]
 CLM = ["-m", "hf_zero.run", str(ROOT / "recipes/examples/run_clm.py"), "--do_train"]
 RECIPE = [str(ROOT / "recipes/finetune_lora.py")]
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "benchmarks" / "cluster"))
+sys.path.insert(0, str(HERE.parents[1] / "benchmarks" / "cluster"))
 import simnet  # noqa: E402
 
 OK, WHY = simnet.available()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(not OK, reason=f"cluster tests: {WHY}")]
-JOB = HERE / "scripts" / "cluster_job.py"
+JOB = HERE.parent / "scripts" / "cluster_job.py"
 PORTS = iter(range(29710, 29800))
 
 

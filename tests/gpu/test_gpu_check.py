@@ -1,7 +1,7 @@
 """The GPU lane's CPU-side parts: `make gpu-check` without a GPU, the driver's report, and the
 timing benchmark's code path (on CPU, where its timings mean nothing).
 
-The lane's tests themselves (tests/test_gpu_lane.py) run in this suite on one CPU rank.
+The lane's tests themselves (tests/gpu/test_gpu_lane.py) run in this suite on one CPU rank.
 """
 
 import json
@@ -10,10 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import gpu_check  # noqa: E402
+import gpu_check
 
 
 def test_make_gpu_check_without_a_gpu_says_so_in_one_line_and_runs_nothing(tmp_path):

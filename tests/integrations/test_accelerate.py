@@ -2,17 +2,14 @@
 with accumulate(), clip_grad_norm_, a scheduler and gather_for_metrics gives the same model.
 Also save_state/load_state, get_state_dict, and every configs/zero file."""
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, build_model, max_param_diff, named_fp32
+from helpers import ROOT, batch, build_model, max_param_diff, named_fp32
 
 import hf_zero
 from hf_zero.testing import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, GAS, CLIP = 3, 2, 0.3
 
 

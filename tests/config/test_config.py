@@ -3,15 +3,13 @@
 import contextlib
 import json
 import warnings
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from hf_zero import ZeroConfig
 from hf_zero.config import deepspeed as ds_config
 from hf_zero.config.sources import explicit_values
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import BUCKET, MODEL, SEQ, build_model, max_param_diff, named_fp32, two_param_groups
+from helpers import (
+    BUCKET,
+    MODEL,
+    SEQ,
+    build_model,
+    max_param_diff,
+    named_fp32,
+    two_param_groups,
+)
 from safetensors.torch import load_file
 
 import hf_zero
@@ -25,7 +33,6 @@ from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
 
 GLOBAL_BATCH = 8
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rows(step: int) -> torch.Tensor:

@@ -6,14 +6,13 @@ their outputs, which must be current: each cell's text output, run now, equals t
 import os
 import re
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from execute_notebooks import execute  # noqa: E402
+from execute_notebooks import execute
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NOISE = re.compile(r"it/s|s/it|runtime|per_second|\d+%\|")  # timings and progress bars

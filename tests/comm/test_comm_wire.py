@@ -348,7 +348,8 @@ def _in_private_namespace() -> dict | None:
     if not (shutil.which("unshare") and shutil.which("ip")):
         return None
     code = (
-        f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import test_comm_wire as t\n"
+        f"import json, sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]\n"
+        "import test_comm_wire as t\n"
         # Alone on its loopback, a busy machine once still counted 6.7% more bytes than booked
         # for a 21 MB all_to_all (TCP's packets and ACKs follow timing); measure again then.
         "if __name__ == '__main__': print('RESULT ' + json.dumps(t.measure_loopback(3)))"

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MODEL, launch
+from helpers import MODEL, ROOT, launch
 from transformers.trainer_utils import get_last_checkpoint
 
 import hf_zero
@@ -35,7 +35,6 @@ from hf_zero.integrations.trainer_checkpoints import STAGING
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 

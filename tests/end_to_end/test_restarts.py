@@ -28,13 +28,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ACCELERATE, TORCHRUN
+from helpers import ACCELERATE, ROOT, TORCHRUN
 from helpers import clm_command as _command
 from safetensors.torch import load_file
 
 from hf_zero.checkpoint.manifest import manifest_problems
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import build_model, launch, lora_engine, lora_model, rel_diff, train_on_corpus
+from helpers import ROOT, build_model, launch, lora_engine, lora_model, rel_diff, train_on_corpus
 
 import hf_zero
 from hf_zero.checkpoint.consolidate import consolidate
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama, tiny_tokenizer, token_batches
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK_START = [
     "--zero_stage",
     "3",

@@ -22,9 +22,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from hf_zero.doctor.advice import MMAP_THRESHOLD, Budget, recommend
 from hf_zero.doctor.command import parse_size
@@ -34,7 +34,6 @@ from hf_zero.sequence.tiles import LOGITS_TILE_BYTES
 from hf_zero.storage.host_memory import unmap_large_frees
 from hf_zero.testing import LONG_DOCTOR_MODEL, profiled_training, run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = {  # stage, micro-batch, accumulation, activation checkpointing, more settings
     "base": (0, 8, 1, False, {}),
     "allocator": (0, 8, 1, False, {}),
@@ -231,7 +230,7 @@ def test_doctor_profiles_an_unmodified_trainer_launch(tmp_path):
 def test_16bit_storage_is_proposed_where_fp32_state_is_at_the_peak():
     """A bf16 run whose peak holds fp32 masters and Adam state: the doctor proposes keeping
     both in bf16, predicting the master copy gone and the moments halved. (Applied and
-    measured: tests/test_storage_16bit.py and tests/test_memory_rss.py; not here, where the
+    measured: tests/sharding/test_storage_16bit.py and tests/memory/test_memory_rss.py; not here, where the
     profiled runs are fp32, bf16 arithmetic being slow on CPUs without bf16 instructions.)"""
     d = _synthetic(0.01, 1e6)
     d.makeup = {**d.makeup, "master_weights": 4 << 20}

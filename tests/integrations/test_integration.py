@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ACCELERATE_1PROC, launch
+from helpers import ACCELERATE_1PROC, ROOT, launch
 from safetensors.torch import load_file
 
 from hf_zero.integrations.trainer_arguments import ZeroTrainingArguments
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "--per_device_train_batch_size",
     "8",

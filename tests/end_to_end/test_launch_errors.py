@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import launch
+from helpers import ROOT, launch
 
-ROOT = Path(__file__).resolve().parents[1]
 LORA = str(ROOT / "recipes/finetune_lora.py")
 STOCK = str(ROOT / "tests/scripts/stock_trainer.py")
 

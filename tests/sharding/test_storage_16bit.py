@@ -8,7 +8,7 @@ each step (2^-9 relative), so a short run is close but not equal (checked: not e
 setting has an effect) and a long one converges alike: over 200 steps of the tiny Llama on the
 embedded corpus the final loss (mean of the last 20 steps) is within 1% of the fp32-master run on
 the same seeds. Bytes: `memory_report()` has no master copy and half the optimizer state, as
-`hf-zero estimate` says (the process's RSS: tests/test_memory_rss.py, "stage 3 bf16 16-bit").
+`hf-zero estimate` says (the process's RSS: tests/memory/test_memory_rss.py, "stage 3 bf16 16-bit").
 Checkpoints keep the bf16 state as it is, so a resumed run equals an uninterrupted one.
 """
 

@@ -10,14 +10,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT
 
 from hf_zero import ZeroConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/RUNNING.md"]
 
 

@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import assert_reference_run_finished, launch
+from helpers import ROOT, assert_reference_run_finished, launch
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "recipes" / "examples"
 COMMON = ["--report_to", "none", "--save_strategy", "no", "--logging_steps", "1"]
 

@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [
     "stage 1 bf16",
     "stage 2 bf16",

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import (
     BUCKET,
+    ROOT,
     build_model,
     max_loss_diff,
     max_param_diff,
@@ -35,7 +36,6 @@ STEPS, GAS, CLIP = 3, 2, 0.3
 ZERO3 = dict(param_persistence_threshold=50)
 DEVICES = ("none", "cpu", "nvme")
 BF16_TOL = 1e-2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(param: str, optimizer: str, nvme: str, **extra) -> dict:

@@ -323,7 +323,7 @@ def test_two_stages_times_two_replicas_with_zero(stage):
 
 
 TP_PARAM_TOL = 1e-5
-"""With AutoTP the parameters are checked to 1e-5, as in tests/test_tp.py (losses still to
+"""With AutoTP the parameters are checked to 1e-5, as in tests/sharding/test_tp.py (losses still to
 1e-6): row-parallel matmuls add their partial sums across ranks, in another order than the
 unsplit model, and AdamW amplifies those roundings where a gradient is near zero. Measured on
 PP 2 x TP 2: 7.2e-6 with eps 1e-6, 2.3e-7 with eps 1e-4 (a wrong gradient would not shrink

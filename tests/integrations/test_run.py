@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_reference_run_finished, launch
+from helpers import ROOT, assert_reference_run_finished, launch
 
 from hf_zero.run import split_flags
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "scripts" / "stock_trainer.py")
 SHARDED = "model.layers.0.self_attn.q_proj.weight"
 
@@ -73,25 +72,36 @@ def _check_one_data_parallel_group(out: Path, stdout: str) -> None:
     assert stdout.count("'loss': ") == 6, stdout[-3000:]
 
 
-@pytest.mark.parametrize("variant", [["--subclass"], TRL_ARGS], ids=["subclass", "trl"])
-def test_unmodified_script_under_hf_zero_run_is_sharded_and_saves_a_loadable_model(
-    tmp_path, variant
+def test_an_unmodified_trl_script_under_hf_zero_run_is_sharded_and_saves_a_loadable_model(
+    tmp_path,
 ):
+    """TRL's SFTTrainer becomes a ZeroTrainer under ``hf_zero.run`` (a script's own Trainer
+    subclass: `test_a_trainer_subclass_under_hf_zero_run_is_sharded_and_equals_plain_ddp`)."""
     out = tmp_path / "out"
-    args = ["-m", "hf_zero.run", SCRIPT, *variant, "--output_dir", str(out), *TRAIN_ARGS]
+    args = ["-m", "hf_zero.run", SCRIPT, *TRL_ARGS, "--output_dir", str(out), *TRAIN_ARGS]
     done = launch([*args, "--zero_stage", "3"])
     r = _report(out)
     assert "ZeroTrainer" in r["mro"] and r["hf_zero_imported"], r["mro"]
-    if variant == ["--subclass"]:
-        assert r["mro"][0] == "MyTrainer"
-    if variant == TRL_ARGS:
-        assert r["mro"][0] == "SFTTrainer"
+    assert r["mro"][0] == "SFTTrainer"
     assert r["sizes"][SHARDED] == 0, "ZeRO-3 releases the layer's weights between steps"
     assert r["reloaded_diff"] < 1e-5, r["reloaded_diff"]
     _check_one_data_parallel_group(out, done.stdout)
     assert done.stderr.count("hf_zero: stage 3 over 2 data-parallel ranks") == 1, done.stderr
     # Only what concerns the user: no pin_memory warning from a CPU DataLoader.
     assert "pin_memory" not in done.stderr, done.stderr[-3000:]
+
+
+GAS_ARGS = [*TRAIN_ARGS, "--gradient_accumulation_steps", "2"]
+"""Two micro-batches per step (the pipeline's micro-batches; the others accumulate them)."""
+
+
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory) -> Path:
+    """The script's own Trainer subclass under plain DDP (the user's ``--use_cpu``), once for
+    the tests that compare with it."""
+    ddp = tmp_path_factory.mktemp("run") / "ddp"
+    _launch_reference([SCRIPT, "--subclass", "--output_dir", str(ddp), *GAS_ARGS, "--use_cpu", "true"], ddp)  # fmt: skip
+    return ddp
 
 
 def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
@@ -121,25 +131,24 @@ def _saved_dtypes(out: Path) -> tuple[set[str], str]:
     return dtypes, json.loads((out / "config.json").read_text())["dtype"]
 
 
-def test_the_stock_trainer_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tmp_path):
+def test_a_trainer_subclass_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tmp_path, plain_ddp):
     """The same script twice. Plain (with the user's ``--use_cpu``): stock transformers, hf_zero
-    never imported, weights whole. Under ``hf_zero.run --zero_stage 3``, with no device flag:
-    ``ZeroTrainer``, the layer's weights released between steps, one data-parallel group, each
-    step's loss equal to the plain run's (torch DDP), and a saved model that reloads to the
-    logits the script saw."""
-    ddp, zero = tmp_path / "ddp", tmp_path / "zero"
-    _launch_reference([SCRIPT, "--output_dir", str(ddp), *TRAIN_ARGS, "--use_cpu", "true"], ddp)
-    plain = _report(ddp)
-    assert plain["mro"][:2] == ["Trainer", "object"] and not plain["hf_zero_imported"]
+    never imported, weights whole. Under ``hf_zero.run --zero_stage 3``, with no device flag: the
+    script's own Trainer subclass on top of ``ZeroTrainer``, the layer's weights released between
+    steps, one data-parallel group, each step's loss equal to the plain run's (torch DDP), and a
+    saved model that reloads to the logits the script saw."""
+    zero = tmp_path / "zero"
+    plain = _report(plain_ddp)
+    assert plain["mro"][:3] == ["MyTrainer", "Trainer", "object"], plain["mro"]
+    assert not plain["hf_zero_imported"]
     assert plain["sizes"][SHARDED] == 64 * 64 and plain["reloaded_diff"] < 1e-5
-    done = launch(
-        ["-m", "hf_zero.run", SCRIPT, "--output_dir", str(zero), *TRAIN_ARGS, "--zero_stage", "3"]
-    )
+    done = launch(["-m", "hf_zero.run", SCRIPT, "--subclass", "--output_dir", str(zero), *GAS_ARGS, "--zero_stage", "3"])  # fmt: skip
     r = _report(zero)
-    assert "ZeroTrainer" in r["mro"] and r["hf_zero_imported"], r["mro"]
+    assert r["mro"][0] == "MyTrainer" and "ZeroTrainer" in r["mro"], r["mro"]
+    assert r["hf_zero_imported"]
     assert r["sizes"][SHARDED] == 0, "ZeRO-3 releases the layer's weights between steps"
     assert r["reloaded_diff"] < 1e-5, r["reloaded_diff"]
-    reference, ours = _losses(_reports(ddp)[0]), _losses(_reports(zero)[0])
+    reference, ours = _losses(_reports(plain_ddp)[0]), _losses(_reports(zero)[0])
     assert len(reference) == len(ours) == 6
     assert max(abs(a - b) for a, b in zip(reference, ours)) < 1e-6, (reference, ours)
     _check_one_data_parallel_group(zero, done.stdout)
@@ -148,18 +157,17 @@ def test_the_stock_trainer_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tmp
 
 
 @pytest.mark.slow
-def test_pipeline_stages_under_hf_zero_run_equal_plain_ddp(tmp_path):
+def test_pipeline_stages_under_hf_zero_run_equal_plain_ddp(tmp_path, plain_ddp):
     """``--pp_size 2`` on 4 processes (2 stages x 2 replicas, ZeRO-1 over the replicas), with
     ``--gradient_accumulation_steps 2`` micro-batches per step: each step's loss equals torch
-    DDP's on 2 processes with the same accumulation (the replicas see DDP's data shards); mid
+    DDP's on 2 processes with the same accumulation (the replicas see DDP's data shards; the
+    reference's Trainer subclass only calls the Trainer's own loss); mid
     training rank 0 holds only its stage; after train() every rank runs the whole model, and
     the saved model reloads to its logits."""
-    ddp, pp = tmp_path / "ddp", tmp_path / "pp"
-    args = [*TRAIN_ARGS, "--gradient_accumulation_steps", "2"]
-    _launch_reference([SCRIPT, "--output_dir", str(ddp), *args, "--use_cpu", "true"], ddp)
+    ddp, pp = plain_ddp, tmp_path / "pp"
     flags = ["--pp_size", "2", "--zero_stage", "1"]
     done = launch(["--num_processes", "4", "-m", "hf_zero.run", SCRIPT, "--output_dir", str(pp),
-                    *args, *flags])  # fmt: skip
+                   *GAS_ARGS, *flags])  # fmt: skip
     start = "hf_zero: pipeline of 2 stages (1f1b) x 2 data-parallel (ZeRO stage 1)"
     assert done.stderr.count(start) == 1, done.stderr[-3000:]
     reference, ours = _losses(_reports(ddp)[0]), _losses(_report(pp))

@@ -4,16 +4,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch
+from helpers import ROOT, launch
 from transformers import LlamaForCausalLM
 
 from hf_zero.tiny import byte_tokens, tiny_corpus, tiny_llama
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(*args: str, timeout: int = 300) -> str:

@@ -13,18 +13,16 @@ kernel and by the merge's rounding (bounded at 2% of the logits' norm).
 
 import json
 import sys
-from pathlib import Path
 
 import bitsandbytes  # noqa: F401  (a test dependency: missing, fail, never skip)
 import pytest
 import torch
-from helpers import launch
+from helpers import ROOT, launch
 
 import hf_zero
 from hf_zero.numerics.packed import disable_cpu_repacking
 from hf_zero.tiny import tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 

@@ -8,7 +8,7 @@ gradient accumulation g:
   stage 2: reduce-scatter 4Pp every micro-batch (g times), all-gather 4Pp.
 Control traffic is booked apart (purpose "control"): the clipped global norm (one fp32 scalar per
 step, stages 1-2) and one byte per bucket per synced backward (which buckets any rank received).
-Wire bytes per algorithm: tests/test_comm_wire.py.
+Wire bytes per algorithm: tests/comm/test_comm_wire.py.
 """
 
 import pytest
