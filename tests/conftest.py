@@ -47,7 +47,6 @@ LONG_CASES = {
     "test_gpu_check.py": {"test_timing_benchmark_runs_its_systems_on_cpu"},
     "test_infinity.py": {"test_nvme_defaults_keep_the_whole_run_within_the_estimate"},
     "test_integration.py": {
-        "test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter",
         "test_full_recipe_zero2_with_a_deepspeed_json",
         "test_full_recipe_zero3_with_zeropp_trainer_flags",
         "test_full_recipe_with_tensor_parallel_two_ranks",
@@ -59,6 +58,7 @@ LONG_CASES = {
     },
     "test_lora_reload.py": {
         "test_the_quick_start_prints_no_third_party_notices",  # the shared `make train` run
+        "test_the_quick_start_learns_logs_its_collectives_and_exports_the_trained_model",
         "test_adapter_config_names_a_base_that_loads",
         "test_load_for_inference_reproduces_the_trained_logits",
         "test_load_for_inference_finds_the_base_of_a_moved_output_dir",

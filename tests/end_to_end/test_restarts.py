@@ -2,10 +2,11 @@
 under ``-m hf_zero.run``, launched as the docs say, with faults injected from outside.
 
 * An elastic restart (torchrun ``--max-restarts 2``, ``accelerate launch --max_restarts 2``), one
-  rank SIGKILLed at three moments (in a step after ``checkpoint-4``, in the Trainer's save of
-  ``checkpoint-6``, in the engine's part of that save): the restarted round resumes from the latest complete checkpoint by itself; the final
-  losses and weights equal an uninterrupted run's; no step up to 4 is trained twice; the
-  checkpoints of the first round are not written again.
+  rank SIGKILLed at three moments (in a step after ``checkpoint-4``, then, in the round that
+  restart began, in the engine's part of the save of ``checkpoint-8``; in another run, in the
+  Trainer's save of ``checkpoint-6``): each restarted round resumes from the latest complete
+  checkpoint by itself; the final losses and weights equal an uninterrupted run's; no step up
+  to 4 is trained twice; the checkpoints of the first round are not written again.
 * A restarted round's process group forms again (deterministic: the peer that comes late),
   where torch's own group on torchrun's store fails to connect.
 * Two runs in one output folder: the second, started while the first is stopped (SIGSTOP), is
@@ -87,44 +88,53 @@ def uninterrupted(tmp_path_factory):
 
 
 ELASTIC_ACCELERATE = [*ACCELERATE, "--max_restarts", "2"]
-MOMENTS = {  # the kill, when this appears on disk -> the launcher, the checkpoints to resume
-    "in-a-step": ("checkpoint-4", TORCHRUN, (4, 6)),  # published: the steps after it
-    "in-the-trainer-save": (".hf_zero-staging/*/checkpoint-6", ELASTIC_ACCELERATE, (4,)),
-    "in-the-engine-save": (".hf_zero-staging/*/checkpoint-6/zero*", TORCHRUN, (4,)),
+SCENARIOS = {  # the launcher; each kill: when this appears on disk -> the checkpoints to resume
+    # Two restarts in one run: a kill in a step of the first round, then one in the engine's
+    # part of a save in the second (the latest checkpoint then is the second round's own).
+    "in-a-step-then-in-the-engine-save": (
+        TORCHRUN,
+        [("checkpoint-4", (4, 6)), (".hf_zero-staging/*/checkpoint-8/zero*", (6,))],
+    ),
+    "in-the-trainer-save": (ELASTIC_ACCELERATE, [(".hf_zero-staging/*/checkpoint-6", (4,))]),
 }
 
 
-@pytest.mark.parametrize("moment", MOMENTS)
-def test_an_elastic_restart_resumes_from_the_latest_checkpoint(tmp_path, uninterrupted, moment):
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_an_elastic_restart_resumes_from_the_latest_checkpoint(tmp_path, uninterrupted, scenario):
     out = tmp_path / "out"
-    where, launcher, resumable = MOMENTS[moment]
+    launcher, kills = SCENARIOS[scenario]
     run = _start(_command(launcher, out, 10, "--save_steps", "2", "--ddp_timeout", "60"))
     first: dict[str, tuple[int, int]] = {}
-    killed = threading.Event()
+    killed: list[int] = []
 
     def kill_rank1_when_there() -> None:
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and run.poll() is None:
-            if list(out.glob(where)):
-                for name in ("checkpoint-2", "checkpoint-4"):
-                    stat = (out / name / "hf_zero_manifest.json").stat()
-                    first[name] = (stat.st_ino, stat.st_mtime_ns)
-                worker = _worker(run, "1")
-                if worker is not None:
-                    worker.kill()
-                    killed.set()
-                    return
-            time.sleep(0.005)
+        deadline = time.monotonic() + 250
+        for where, _ in kills:
+            victim = None
+            while time.monotonic() < deadline and run.poll() is None and victim is None:
+                if list(out.glob(where)):
+                    if not first:
+                        for name in ("checkpoint-2", "checkpoint-4"):
+                            stat = (out / name / "hf_zero_manifest.json").stat()
+                            first[name] = (stat.st_ino, stat.st_mtime_ns)
+                    victim = _worker(run, "1")
+                    if victim is not None and victim.pid not in killed:
+                        victim.kill()
+                        killed.append(victim.pid)
+                    else:
+                        victim = None
+                time.sleep(0.005)
 
     killer = threading.Thread(target=kill_rank1_when_there)
     killer.start()
-    output, _ = run.communicate(timeout=300)
+    output, _ = run.communicate(timeout=360)
     killer.join()
-    assert killed.is_set(), output[-3000:]
+    assert len(killed) == len(kills), output[-3000:]
     assert run.returncode == 0, output[-4000:]
-    assert "hf_zero: restart round 1 of the launch" in output, output[-3000:]
-    resumed = [f"resuming from {out / f'checkpoint-{n}'}," in output for n in resumable]
-    assert any(resumed), output[-3000:]
+    for round_, (_, resumable) in enumerate(kills, start=1):
+        assert f"hf_zero: restart round {round_} of the launch" in output, output[-3000:]
+        resumed = [f"resuming from {out / f'checkpoint-{n}'}," in output for n in resumable]
+        assert any(resumed), (round_, output[-3000:])
     assert "Connection refused" not in output
     assert _losses(out) == uninterrupted["losses"]
     weights = _weights(out)

@@ -86,49 +86,6 @@ def _saved_model_probe(output_dir: Path) -> torch.Tensor:
     return _reload_probe(_saved_model_code(output_dir))
 
 
-def test_lora_recipe_zero3_two_ranks_saves_a_loadable_adapter(tmp_path):
-    """The quick-start job: ZeRO-3 with MixZ++ on by default (INT8 base shards).
-
-    The trained model computed with the dequantized INT8 base; the adapter is loaded on the
-    original base, so their logits differ by the base's quantization error (each weight within
-    1/254 of its block's absmax): required below 3% of the logits' norm and well below what the
-    adapter changed. The merged export carries the same dequantized base, so it matches the
-    trained model to fp32 rounding.
-    """
-    out, merged = tmp_path / "lora", tmp_path / "merged"
-    done = _launch(
-        "finetune_lora.py",
-        "--zero_stage", "3",
-        "--merged_output_dir", str(merged),
-        "--output_dir", str(out),
-        "--max_steps", "40",
-        "--logging_steps", "10",
-        "--learning_rate", "1e-2",
-        "--save_strategy", "no",
-    )  # fmt: skip
-    losses = _losses(out)
-    assert losses[40] < 0.8 * losses[10], losses
-    history = json.loads((out / "log_history.json").read_text())
-    logged = next(h for h in history if "loss" in h)
-    assert logged["comm_wire_MiB_per_step"] > 0, "no communication: the ranks were not one group"
-    assert logged["comm_paper_MiB_per_step"] > 0
-    assert "grad_norm_pre_clip" in logged and "mem_MiB_quantized_params" in logged
-    assert "MixZ++ INT8 frozen weights" in done.stdout + done.stderr
-    assert (out / "adapter_model.safetensors").is_file()
-    probes = _reload_probes(
-        {
-            "adapter": _adapter_code(out),
-            "base": "model, tokenizer = load_model_and_tokenizer(None, seed=42)",
-            "merged": _saved_model_code(merged),
-        }
-    )
-    trained = torch.load(out / "probe_logits.pt")
-    error = ((probes["adapter"] - trained).norm() / trained.norm()).item()
-    adapter_effect = ((probes["base"] - trained).norm() / trained.norm()).item()
-    assert error < 0.03 and error < 0.2 * adapter_effect, (error, adapter_effect)
-    torch.testing.assert_close(probes["merged"], trained, rtol=1e-4, atol=1e-4)
-
-
 def test_full_recipe_zero2_with_a_deepspeed_json(tmp_path):
     out = tmp_path / "full"
     _launch(
