@@ -1,7 +1,10 @@
-"""Process groups: data parallel, tensor parallel, sequence parallel, intra-node and inter-node.
+"""Process groups: pipeline, data parallel, tensor parallel, sequence parallel, intra-node and
+inter-node.
 
-Rank layout: ``rank = dp_index * tp_size + tp_index``, so a tensor-parallel group is a run of
-consecutive ranks (inside one node whenever ``tp_size`` divides the node size). A "node" is a run
+Rank layout, pipeline outermost and tensor innermost (as Megatron and DeepSpeed lay them out):
+``rank = (pp_index * dp_size + dp_index) * tp_size + tp_index``, so a tensor-parallel group is a
+run of consecutive ranks (inside one node whenever ``tp_size`` divides the node size) and the
+stages of one replica are ``dp_size * tp_size`` ranks apart. A "node" is a run
 of ``node_size`` consecutive ranks; ``node_size`` defaults to ``LOCAL_WORLD_SIZE`` as set by
 torchrun/accelerate, and can be set explicitly to simulate several nodes on one machine.
 """
@@ -75,10 +78,28 @@ class Topology:
     sp: Group | None = None
     """Ulysses sequence parallelism: runs of ``sp_size`` consecutive data-parallel ranks that
     share each batch, a slice of every sequence each; ``None`` when off."""
+    pp: Group | None = None
+    """Pipeline parallelism: the ranks that pass activations to each other (one per stage, at
+    this rank's data- and tensor-parallel position); ``None`` when off."""
+    tied: Group | None = None
+    """Pipelines: the first and last stage of this rank's pipeline (tied embedding copies sum
+    their gradients); ``None`` on the stages between and without a pipeline."""
 
     @property
     def dp_size(self) -> int:
         return self.dp.size
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size if self.pp is not None else 1
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank_of(self.rank) if self.pp is not None else 0
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The global rank at a position of the ``pp x dp x tp`` grid."""
+        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
 
     @property
     def dp_rank(self) -> int:
@@ -118,7 +139,7 @@ class Topology:
         seen = []
         for group in (
             self.dp, self.tp, self.intra_node, self.inter_node, self.dp_control,
-            self.dp_intra_node, self.dp_inter_node, self.hpz, self.sp,
+            self.dp_intra_node, self.dp_inter_node, self.hpz, self.sp, self.pp, self.tied,
         ):  # fmt: skip
             pg = group.pg if group is not None else None
             if pg is None or pg is dist.group.WORLD or any(pg is s for s in seen):
@@ -135,12 +156,15 @@ class Topology:
         hpz_size: int = 1,
         timeout: float | None = None,
         sp_size: int = 1,
+        pp_size: int = 1,
     ) -> Topology:
         """Create every group. Collective: all ranks must call it with the same arguments.
 
         ``hpz_size > 1`` also creates the ZeRO++ secondary-partition groups; it must divide the
-        data-parallel size; ``sp_size > 1`` the sequence-parallel groups. ``timeout``: seconds a collective of the groups created here (and of
-        the default group, if it is created here) may wait before it fails.
+        data-parallel size; ``sp_size > 1`` the sequence-parallel groups; ``pp_size > 1`` the
+        pipelines and their tied-embedding pairs. ``timeout``: seconds a collective of the
+        groups created here (and of the default group, if it is created here) may wait before
+        it fails.
         """
         if not dist.is_initialized():
             init_distributed(timeout=timeout)
@@ -151,12 +175,22 @@ class Topology:
             raise ValueError(
                 f"zero config: 'tp_size' = {tp_size} must divide the world size {world}"
             )
+        if pp_size < 1 or world % (pp_size * tp_size):
+            raise ValueError(
+                f"zero config: 'pp_size' = {pp_size} x 'tp_size' = {tp_size} must divide the "
+                f"number of processes ({world}); the data-parallel size is the quotient"
+            )
         if node_size < 1 or world % node_size:
             raise ValueError(
                 f"zero config: 'node_size' = {node_size} must divide the world size {world}"
             )
 
         def make(members_of: list[tuple[int, ...]], backend: str | None = None) -> Group:
+            mine = make_some(members_of, backend)
+            assert mine is not None
+            return mine
+
+        def make_some(members_of: list[tuple[int, ...]], backend: str | None = None):
             # new_group is collective over the world: every rank creates every group, in order.
             mine = None
             for ranks in members_of:
@@ -169,13 +203,17 @@ class Topology:
                     )
                 if rank in ranks:
                     mine = Group(pg, ranks, spans, node_size)
-            assert mine is not None
             return mine
 
-        dp_size = world // tp_size
-        dp_members = [tuple(d * tp_size + t for d in range(dp_size)) for t in range(tp_size)]
+        dp_size = world // (pp_size * tp_size)
+
+        def at(p: int, d: int, t: int) -> int:
+            return (p * dp_size + d) * tp_size + t
+
+        stages, tps = range(pp_size), range(tp_size)
+        dp_members = [tuple(at(p, d, t) for d in range(dp_size)) for p in stages for t in tps]
         dp = make(dp_members)
-        tp = make([tuple(d * tp_size + t for t in range(tp_size)) for d in range(dp_size)])
+        tp = make([tuple(at(p, d, t) for t in tps) for p in stages for d in range(dp_size)])
         num_nodes = world // node_size
         intra = make([tuple(n * node_size + i for i in range(node_size)) for n in range(num_nodes)])
         inter = make([tuple(n * node_size + i for n in range(num_nodes)) for i in range(node_size)])
@@ -183,10 +221,11 @@ class Topology:
 
         # Data-parallel ranks split by node; with tp_size = 1 these are the node groups.
         per_node = max(1, node_size // tp_size)
-        if tp_size == 1:
+        if tp_size == 1 and pp_size == 1:
             dp_intra, dp_inter = intra, inter
-        elif node_size % tp_size or dp_size % per_node:
-            # No clean node split: treat the data-parallel group as one node.
+        elif node_size % tp_size or dp_size % per_node or pp_size > 1:
+            # No clean node split (a pipeline's stages share nodes in ways ZeRO++ and the
+            # two-hop collectives, which pipelines do not use, need not know): one node.
             dp_intra, dp_inter = dp, Group(None, (rank,), spans_nodes=False)
         else:
             nodes = dp_size // per_node
@@ -217,9 +256,14 @@ class Topology:
                     f"{dp_size}"
                 )
             sp = make([m[i : i + sp_size] for m in dp_members for i in range(0, dp_size, sp_size)])
+        pp = tied = None
+        if pp_size > 1:
+            positions = [(d, t) for d in range(dp_size) for t in tps]
+            pp = make([tuple(at(p, d, t) for p in stages) for d, t in positions])
+            tied = make_some([(at(0, d, t), at(pp_size - 1, d, t)) for d, t in positions])
         return cls(
             world, rank, tp_size, node_size, dp, tp, intra, inter, control, dp_intra, dp_inter,
-            hpz, sp,
+            hpz, sp, pp, tied,
         )  # fmt: skip
 
 

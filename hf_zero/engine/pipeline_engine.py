@@ -1,6 +1,6 @@
 """`PipelineEngine`: a causal LM trained in pipeline stages, one optimizer step per `train_batch`.
 
-Ranks form a ``pp x dp x tp`` grid (`PipelineTopology`: pipeline outermost, tensor innermost).
+Ranks form a ``pp x dp x tp`` grid (`Topology`: pipeline outermost, tensor innermost).
 AutoTP splits the model inside every stage (as `ZeroEngine` does), the model is cut into stages
 (`split.py`; two virtual stages per rank with ``interleaved_1f1b``), and
 `torch.distributed.pipelining` runs the schedule on each pipeline (measured exact on gloo/CPU in
@@ -30,7 +30,7 @@ from torch.distributed.pipelining import (
 )
 
 from hf_zero.comm import Collectives
-from hf_zero.comm.topology import Group, current_device, init_distributed
+from hf_zero.comm.topology import Topology, current_device, init_distributed
 from hf_zero.comm.watchdog import StallWatchdog
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine.surface import Engine
@@ -43,7 +43,6 @@ from hf_zero.pipeline.split import (
     sync_tied_grads,
 )
 from hf_zero.pipeline.stage_optimizer import StageOptimizer
-from hf_zero.pipeline.topology import PipelineTopology
 from hf_zero.profiling import profile_settings
 from hf_zero.sharding.tp import TensorParallel, resolve_plan
 
@@ -103,8 +102,8 @@ class PipelineEngine(Engine):
         self.config, self.module, self.optimizer = config, model, optimizer
         self.lr_scheduler = lr_scheduler
         self.device = current_device()
-        self.topology = topo = PipelineTopology.build(
-            config.pp_size, config.tp_size, timeout=config.comm_timeout
+        self.topology = topo = Topology.build(
+            config.tp_size, timeout=config.comm_timeout, pp_size=config.pp_size
         )
         self.comm = Collectives(native_collectives=config.native_collectives)
         me = weakref.ref(self)
@@ -112,10 +111,9 @@ class PipelineEngine(Engine):
             config.stall_warning_seconds, dist.get_rank(), dist.get_world_size(),
             lambda: getattr(me(), "global_steps", "?"), timeout=config.comm_timeout,
         )  # fmt: skip
-        world = Group(None, tuple(range(dist.get_world_size())), False)
         with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does
             for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast(t.data, 0, world)
+                self.comm.broadcast(t.data, 0, topo.world)
         self.tp = self._apply_tp() if config.tp_size > 1 else None
 
         virtual = 2 if config.pp_schedule == "interleaved_1f1b" else 1

@@ -1,7 +1,8 @@
 """Pipeline parallelism: a Hugging Face causal LM cut into stages, with data and tensor
 parallelism beside them (3D) and ZeRO-1/2 inside each stage.
 
-`topology.py` lays ranks out pipeline-outermost; `split.py` cuts a Llama- or GPT-2-layout model
+The ranks are laid out pipeline-outermost by `hf_zero.comm.topology.Topology` (the engines share
+it); `split.py` cuts a Llama- or GPT-2-layout model
 into contiguous stages (balanced by parameter count, uniform, or an explicit list);
 `stage_optimizer.py` averages a stage's gradients over its replicas and steps (sharded under
 ZeRO-1/2); `batching.py` joins a Trainer window's micro-batches; `schedule_math.py` holds the
