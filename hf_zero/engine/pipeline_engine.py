@@ -29,10 +29,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from hf_zero.comm import Collectives
-from hf_zero.comm.topology import Topology, current_device, init_distributed
-from hf_zero.comm.watchdog import StallWatchdog
+from hf_zero.config.checks import AUTO
 from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.engine.start_up import start_up
 from hf_zero.engine.surface import Engine
 from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.pipeline.split import (
@@ -57,7 +56,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def check_supported(config: ZeroConfig) -> None:
-    """Refuse what pipeline stages do not combine with, before any process-group work."""
+    """Refuse what pipeline stages do not combine with, before any process-group work (an
+    "auto" precision that nothing filled resolves to fp32)."""
     if config.stage == 3:
         raise NotImplementedError(
             "hf_zero pipeline: 'stage' = 3 with 'pp_size' > 1 is not supported: ZeRO-3 gathers a "
@@ -78,7 +78,11 @@ def check_supported(config: ZeroConfig) -> None:
             "for pipeline stages yet (a step's phases interleave across micro-batches); profile "
             "the same model with 'pp_size' 1"
         )
-    if config.precision != "fp32" or config.quantized_weights or config.quantized_gradients:
+    if (
+        config.precision not in ("fp32", AUTO)
+        or config.quantized_weights
+        or config.quantized_gradients
+    ):
         raise NotImplementedError(
             "hf_zero pipeline: pipeline stages run fp32 without ZeRO++ quantization for now "
             f"(got precision {config.precision!r}); set 'precision': 'fp32'"
@@ -92,25 +96,14 @@ class PipelineEngine(Engine):
     is_pipeline = True
 
     def __init__(self, model, optimizer, config: ZeroConfig, lr_scheduler=None) -> None:
-        init_distributed(timeout=config.comm_timeout)
-        dp_size = max(1, dist.get_world_size() // (config.pp_size * config.tp_size))
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config = config.resolved(hidden_size=hidden, world_size=dp_size)
-        config.check_batch_sizes(dp_size)
         check_supported(config)
         optimizer, lr_scheduler = optimizer_and_scheduler(model, optimizer, config, lr_scheduler)
-        self.config, self.module, self.optimizer = config, model, optimizer
-        self.lr_scheduler = lr_scheduler
-        self.device = current_device()
-        self.topology = topo = Topology.build(
-            config.tp_size, timeout=config.comm_timeout, pp_size=config.pp_size
-        )
-        self.comm = Collectives(native_collectives=config.native_collectives)
         me = weakref.ref(self)
-        self.watchdog = StallWatchdog.start(
-            config.stall_warning_seconds, dist.get_rank(), dist.get_world_size(),
-            lambda: getattr(me(), "global_steps", "?"), timeout=config.comm_timeout,
-        )  # fmt: skip
+        start = start_up(config, model, lambda: getattr(me(), "global_steps", "?"))
+        self.config = config = start.config
+        self.topology = topo = start.topology
+        self.comm, self.device, self.watchdog = start.comm, start.device, start.watchdog
+        self.module, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does
             for t in list(model.parameters()) + list(model.buffers()):
                 self.comm.broadcast(t.data, 0, topo.world)

@@ -19,14 +19,13 @@ from pathlib import Path
 import torch
 
 from hf_zero import sequence
-from hf_zero.comm import Collectives, CommStats
-from hf_zero.comm.topology import Topology, current_device, hpz_size, init_distributed
-from hf_zero.comm.watchdog import StallWatchdog
+from hf_zero.comm import CommStats
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine import checkpointing, pretrained_save
 from hf_zero.engine.full_state_dict import full_state_dict, saved_state_dict
 from hf_zero.engine.model_checks import check_materialized, check_same_model
 from hf_zero.engine.start_line import describe
+from hf_zero.engine.start_up import start_up
 from hf_zero.engine.surface import Batch, Engine, loss_of, split_batch
 from hf_zero.numerics.packed import disable_cpu_repacking, is_packed, quant_state_tensors
 from hf_zero.numerics.precision import DTYPES, LossScaler
@@ -89,22 +88,11 @@ class ZeroEngine(Engine):
 
     def _connect(self, config: ZeroConfig) -> None:
         """Process groups, collectives, the stall watchdog; "auto" values resolved."""
-        init_distributed(timeout=config.comm_timeout)
-        hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
-        self.topology = Topology.build(
-            config.tp_size, config.node_size, hpz, config.comm_timeout, config.sp_size
-        )
-        self.device = current_device()
-        self.comm = Collectives(native_collectives=config.native_collectives)
         me = weakref.ref(self)
-        self.watchdog = StallWatchdog.start(
-            config.stall_warning_seconds, self.topology.rank, self.topology.world_size,
-            lambda: getattr(me(), "global_steps", "?"), timeout=config.comm_timeout,
-        )  # fmt: skip
-        self.zeropp = zeropp_settings(config, self.topology)
-        hidden = getattr(getattr(self.module, "config", None), "hidden_size", None)
-        self.config = config.resolved(hidden_size=hidden, world_size=self.topology.data_size)
-        self.config.check_batch_sizes(self.topology.data_size)
+        start = start_up(config, self.module, lambda: getattr(me(), "global_steps", "?"))
+        self.config, self.topology, self.comm = start.config, start.topology, start.comm
+        self.device, self.watchdog = start.device, start.watchdog
+        self.zeropp = zeropp_settings(self.config, self.topology)
         self.dtype = DTYPES[self.config.precision]
 
     def _place_model(self, model: torch.nn.Module, optimizer) -> None:
