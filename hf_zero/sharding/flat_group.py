@@ -121,7 +121,7 @@ class FlatParamGroup:
         initial = self._initial_values()
         shard = self.layout.shard_range(self.shard_index)
         self.flat_param: torch.Tensor | None = None  # stage 3: only while gathered
-        self.tier: Tier = ResidentTier()  # stage 3: where the shard lives between gathers
+        self.tier: Tier = ResidentTier()  # where the shard lives between gathers (stage 3)
         self.placement = self._placement(initial, shard, spec.param_tier, spec.param_swap)
         self.master_weights: MasterWeights | None = None
         if self.trainable:
