@@ -3,8 +3,8 @@ step time measured, next to what the doctor predicted from the unchanged run.
 
     python benchmarks/bench_doctor.py [--rounds 3]
 
-2 CPU ranks, the 19M-parameter Llama of tests/doctor/test_doctor.py at stage 0 (batch 8 x 128, fp32).
-Each round profiles the unchanged run and every change in fresh processes, in that order (the
+2 CPU ranks, the 19M-parameter Llama of tests/doctor/test_doctor.py at stage 0 (batch 8 x 128,
+fp32). Each round profiles the unchanged run and every change in fresh processes, in that order (the
 offloads are predicted from stage 2 / stage 3 runs, MixZ++ from a stage-3 LoRA run); the table
 shows medians over rounds: measured / predicted peak (VmHWM) and step time, and whether the step
 time moved the way the doctor said. Writes ``benchmarks/results/doctor.json``.

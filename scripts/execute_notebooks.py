@@ -3,7 +3,8 @@
     python scripts/execute_notebooks.py [notebooks/x.ipynb ...]
 
 One process, CPU, ``OMP_NUM_THREADS=1``, matplotlib's Agg backend: the settings
-tests/end_to_end/test_notebooks.py runs them with, so the stored outputs are what CI compares against.
+tests/end_to_end/test_notebooks.py runs them with, so the stored outputs are what CI compares
+against.
 """
 
 from __future__ import annotations

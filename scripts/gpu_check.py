@@ -3,9 +3,9 @@
 Started by ``scripts/gpu_check.sh`` (``make gpu-check``) once it has found a GPU and a Python whose
 torch sees it; see docs/GPU.md. Checks, in order (each its own process, with a time limit):
 
-1. ``tests/gpu/test_gpu_lane.py`` with ``HF_ZERO_TEST_DEVICE=cuda``: stages 0-3 (fp32, bf16), offload
-   (stages 1-3), ZeRO++, MixZ++, the quantizer, a checkpoint round trip with the CUDA RNG; one
-   rank, NCCL, ``cuda:0``. Per test: outcome, seconds, peak ``torch.cuda.max_memory_allocated``.
+1. ``tests/gpu/test_gpu_lane.py`` with ``HF_ZERO_TEST_DEVICE=cuda``: stages 0-3 (fp32, bf16),
+   offload (stages 1-3), ZeRO++, MixZ++, the quantizer, a checkpoint round trip with the CUDA RNG;
+   one rank, NCCL, ``cuda:0``. Per test: outcome, seconds, peak ``torch.cuda.max_memory_allocated``.
 2. The multi-rank parity tests, 2 ranks on CPU with gloo (``CUDA_VISIBLE_DEVICES=""``): NCCL
    refuses two ranks on one GPU, and gloo moves CUDA tensors only for some collectives (not the
    point-to-point sends hf_zero's gloo exchanges use), so these stay the CPU path they are in CI.

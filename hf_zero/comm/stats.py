@@ -42,12 +42,12 @@ byte counts:
 
     Summed over a group's ranks each figure is exact (to integer rounding); per rank it is exact
     for every row but ``chain`` (NCCL picks the ring order, so the mean is booked on every rank).
-    Against loopback interface counters (tests/comm/test_comm_wire.py) the wire figure is the payload:
-    TCP/IP and gloo headers and ACKs add 0.09% to 1.4% on top. Assumptions, stated: NCCL may pick
-    its tree or NVLS/CollNet algorithms for an all-reduce, which send other amounts than the ring
-    booked here; a buffer that does not split into ``N`` equal chunks moves up to a chunk more or
-    less on a given rank than the formula (the sum stays right); tiny control messages (flags,
-    barriers) are booked at their payload, which is smaller than their headers.
+    Against loopback interface counters (tests/comm/test_comm_wire.py) the wire figure is the
+    payload: TCP/IP and gloo headers and ACKs add 0.09% to 1.4% on top. Assumptions, stated: NCCL
+    may pick its tree or NVLS/CollNet algorithms for an all-reduce, which send other amounts than
+    the ring booked here; a buffer that does not split into ``N`` equal chunks moves up to a chunk
+    more or less on a given rank than the formula (the sum stays right); tiny control messages
+    (flags, barriers) are booked at their payload, which is smaller than their headers.
 
 Purposes keep the ZeRO traffic comparable with the paper while nothing goes uncounted:
 

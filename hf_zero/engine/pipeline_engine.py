@@ -4,8 +4,8 @@ Ranks form a ``pp x dp x tp`` grid (`Topology`: pipeline outermost, tensor inner
 AutoTP splits the model inside every stage (as `ZeroEngine` does), the model is cut into stages
 (`split.py`; two virtual stages per rank with ``interleaved_1f1b``), and
 `torch.distributed.pipelining` runs the schedule on each pipeline (measured exact on gloo/CPU in
-tests/pipeline/test_pipeline.py). `train_batch` cuts the replica's batch into ``pp_microbatches`` along
-dim 0, runs the schedule, sums the tied embedding's two copies' gradients, averages the
+tests/pipeline/test_pipeline.py). `train_batch` cuts the replica's batch into ``pp_microbatches``
+along dim 0, runs the schedule, sums the tied embedding's two copies' gradients, averages the
 gradients over the stage's data-parallel group (ZeRO-1/2 shard the optimizer state:
 `StageOptimizer`), clips the global norm across every stage, steps, and returns the replica's
 mean micro-batch loss on every rank of the replica.

@@ -233,8 +233,9 @@ def test_doctor_profiles_an_unmodified_trainer_launch(tmp_path):
 def test_16bit_storage_is_proposed_where_fp32_state_is_at_the_peak():
     """A bf16 run whose peak holds fp32 masters and Adam state: the doctor proposes keeping
     both in bf16, predicting the master copy gone and the moments halved. (Applied and
-    measured: tests/sharding/test_storage_16bit.py and tests/memory/test_memory_rss.py; not here, where the
-    profiled runs are fp32, bf16 arithmetic being slow on CPUs without bf16 instructions.)"""
+    measured: tests/sharding/test_storage_16bit.py and tests/memory/test_memory_rss.py; not here,
+    where the profiled runs are fp32, bf16 arithmetic being slow on CPUs without bf16
+    instructions.)"""
     d = _synthetic(0.01, 1e6)
     d.makeup = {**d.makeup, "master_weights": 4 << 20}
     change = next(c for c in recommend(d) if c.kind == "storage_16bit")

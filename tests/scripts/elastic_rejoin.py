@@ -1,9 +1,9 @@
-"""Rejoin a process group in restarted rounds (tests/end_to_end/test_restarts.py): ``elastic_rejoin.py
-torch|hf_zero`` under ``torchrun --max-restarts N``. Every round forms the group, then rank 1
-fails, until the last round, which ends cleanly. In each restarted round rank 0 comes late, so
-rank 1 looks its peer up first, where the previous round's rank 0 published its address.
-``torch``: the default group as torch makes it on torchrun's store, where that lookup finds the
-dead rank 0 (a connect refused or timed out in about 7 of 10 rounds on a 2-core machine: a
+"""Rejoin a process group in restarted rounds (tests/end_to_end/test_restarts.py):
+``elastic_rejoin.py torch|hf_zero`` under ``torchrun --max-restarts N``. Every round forms the
+group, then rank 1 fails, until the last round, which ends cleanly. In each restarted round rank 0
+comes late, so rank 1 looks its peer up first, where the previous round's rank 0 published its
+address. ``torch``: the default group as torch makes it on torchrun's store, where that lookup
+finds the dead rank 0 (a connect refused or timed out in about 7 of 10 rounds on a 2-core machine: a
 race); ``hf_zero``: as `hf_zero.comm.topology.init_distributed` makes it, on per-round keys."""
 
 import os
