@@ -100,7 +100,8 @@ def plain_ddp(tmp_path_factory) -> Path:
     """The script's own Trainer subclass under plain DDP (the user's ``--use_cpu``), once for
     the tests that compare with it."""
     ddp = tmp_path_factory.mktemp("run") / "ddp"
-    _launch_reference([SCRIPT, "--subclass", "--output_dir", str(ddp), *GAS_ARGS, "--use_cpu", "true"], ddp)  # fmt: skip
+    args = [SCRIPT, "--subclass", "--output_dir", str(ddp), *GAS_ARGS, "--use_cpu", "true"]
+    _launch_reference(args, ddp)
     return ddp
 
 
@@ -142,7 +143,8 @@ def test_a_trainer_subclass_under_hf_zero_run_is_sharded_and_equals_plain_ddp(tm
     assert plain["mro"][:3] == ["MyTrainer", "Trainer", "object"], plain["mro"]
     assert not plain["hf_zero_imported"]
     assert plain["sizes"][SHARDED] == 64 * 64 and plain["reloaded_diff"] < 1e-5
-    done = launch(["-m", "hf_zero.run", SCRIPT, "--subclass", "--output_dir", str(zero), *GAS_ARGS, "--zero_stage", "3"])  # fmt: skip
+    args = [SCRIPT, "--subclass", "--output_dir", str(zero), *GAS_ARGS, "--zero_stage", "3"]
+    done = launch(["-m", "hf_zero.run", *args])
     r = _report(zero)
     assert r["mro"][0] == "MyTrainer" and "ZeroTrainer" in r["mro"], r["mro"]
     assert r["hf_zero_imported"]
