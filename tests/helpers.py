@@ -30,6 +30,13 @@ TORCHRUN += ["--max-restarts", "2"]
 """``torchrun`` with 2 processes and up to 2 restarts."""
 
 
+def _environment(env: dict | None) -> dict:
+    """The test run's environment with one thread per process (as the docs' CPU commands set),
+    without an ``HF_ZERO_CONFIG`` the test run may have, plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if k != "HF_ZERO_CONFIG"}
+    return {**base, "OMP_NUM_THREADS": "1", **(env or {})}
+
+
 def launch(
     args: Sequence[str],
     launcher: Sequence[str] = ACCELERATE,
@@ -40,14 +47,12 @@ def launch(
 ) -> subprocess.CompletedProcess:
     """Run ``launcher`` + ``args`` from the repository root as a user types it, output captured.
 
-    The environment is the test run's, with one thread per process (as the docs' CPU commands
-    set) and without an ``HF_ZERO_CONFIG`` the test run may have; ``env`` adds to it. With
-    ``check`` a failed launch fails the test with the ends of its output; ``new_session`` puts
-    it in a process group of its own (a fault that kills its group kills only this run)."""
-    base = {k: v for k, v in os.environ.items() if k != "HF_ZERO_CONFIG"}
+    The environment is `_environment`'s. With ``check`` a failed launch fails the test with the
+    ends of its output; ``new_session`` puts it in a process group of its own (a fault that
+    kills its group kills only this run)."""
     done = subprocess.run(
         [*launcher, *args],
-        env={**base, "OMP_NUM_THREADS": "1", **(env or {})},
+        env=_environment(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -57,6 +62,26 @@ def launch(
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done
+
+
+def start(
+    args: Sequence[str],
+    launcher: Sequence[str] = ACCELERATE,
+    env: dict | None = None,
+    new_session: bool = False,
+    stderr: int = subprocess.STDOUT,
+) -> subprocess.Popen:
+    """`launch` without waiting, for a test that acts on the run while it goes (signals, kills):
+    the launcher's process, its output piped as text (``stderr`` into it by default)."""
+    return subprocess.Popen(
+        [*launcher, *args],
+        env=_environment(env),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        cwd=ROOT,
+        start_new_session=new_session,
+    )
 
 
 def clm_command(launcher: list[str], out: Path | str, steps: int, *flags: str) -> list[str]:

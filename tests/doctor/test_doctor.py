@@ -19,12 +19,10 @@
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ACCELERATE, ROOT, launch
 
 from hf_zero.doctor.advice import MMAP_THRESHOLD, Budget, recommend
 from hf_zero.doctor.command import parse_size
@@ -205,15 +203,11 @@ def test_doctor_profiles_an_unmodified_trainer_launch(tmp_path):
     warm-up, then the run ends; the report, the JSON, the picture and the Trainer's logs."""
     out = tmp_path / "doctor"
     script = str(ROOT / "tests" / "scripts" / "stock_trainer.py")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    launch += [str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "-m", "hf_zero.run", script]
-    launch += ["--output_dir", str(tmp_path / "run"), "--max_steps", "20", "--zero_stage", "3"]
-    launch += ["--per_device_train_batch_size", "4", "--report_to", "none", "--logging_steps", "50"]
-    cmd = [sys.executable, "-m", "hf_zero.cli", "doctor", "--steps", "2", "--out", str(out)]
-    cmd += ["--device-memory", "4GiB", "--", *launch]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = [*ACCELERATE, "-m", "hf_zero.run", script]
+    run += ["--output_dir", str(tmp_path / "run"), "--max_steps", "20", "--zero_stage", "3"]
+    run += ["--per_device_train_batch_size", "4", "--report_to", "none", "--logging_steps", "50"]
+    doctor = [sys.executable, "-m", "hf_zero.cli", "doctor", "--steps", "2", "--out", str(out)]
+    done = launch([*doctor, "--device-memory", "4GiB", "--", *run], launcher=())
     assert "Peak memory:" in done.stdout and "| # | change |" in done.stdout, done.stdout
     report = json.loads((out / "doctor.json").read_text())
     assert report["diagnosis"]["config"]["stage"] == 3 and report["changes"]

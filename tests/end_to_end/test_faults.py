@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import MODEL, ROOT, launch
+from helpers import MODEL, ROOT, launch, start
 from transformers.trainer_utils import get_last_checkpoint
 
 import hf_zero
@@ -166,10 +166,9 @@ def test_sigterm_removes_the_swap_folders(tmp_path):
 
     nvme, marks = tmp_path / "nvme", tmp_path / "marks"
     marks.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += [str(ROOT / "tests/scripts/nvme_until_signal.py"), str(nvme), str(marks)]
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    script = [str(ROOT / "tests/scripts/nvme_until_signal.py"), str(nvme), str(marks)]
+    launcher = start(script, torchrun, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while len(list(marks.glob("ready-*"))) < 2 and time.monotonic() < deadline:
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]

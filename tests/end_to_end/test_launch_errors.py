@@ -132,16 +132,14 @@ def test_hf_zero_config_mistake_under_autoload_is_one_line_once(tmp_path):
 def test_flags_that_reach_no_trainer_or_accelerator_fail_saying_so(tmp_path):
     script = tmp_path / "bare.py"
     script.write_text("print('a script without a Trainer or an Accelerator')\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "hf_zero.run", str(script), "--zero_stage", "3"],
-        capture_output=True,
-        text=True,
+    done = launch(
+        ["-m", "hf_zero.run", str(script), "--zero_stage", "3"],
+        [sys.executable],
         timeout=120,
+        check=False,
     )
     assert done.returncode == 3, done.stderr
     assert "--zero_stage 3 were given, but" in done.stderr and "hf_zero never ran" in done.stderr
     assert "a script without" in done.stdout
-    plain = subprocess.run(
-        [sys.executable, "-m", "hf_zero.run", str(script)], capture_output=True, timeout=120
-    )
+    plain = launch(["-m", "hf_zero.run", str(script)], [sys.executable], timeout=120, check=False)
     assert plain.returncode == 0  # no flags: nothing was promised

@@ -1,8 +1,6 @@
 """The README's main job, run as a user runs it: torchrun, two CPU ranks, a saved model."""
 
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -54,23 +52,14 @@ def test_train_tiny_learns_and_saves_a_loadable_model(tmp_path, flags):
 
 def test_a_flag_that_contradicts_the_config_file_is_reported_naming_both():
     stage2 = str(ROOT / "configs/zero/stage2.yaml")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train_tiny.py"), "--zero_config", stage2,
-         "--precision", "fp32"],
-        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    args = [str(ROOT / "recipes" / "train_tiny.py"), "--zero_config", stage2, "--precision", "fp32"]
+    done = launch(args, [sys.executable], timeout=120, check=False)
     assert done.returncode == 2
     assert "--precision 'fp32' contradicts 'precision' = 'bf16' in" in done.stderr, done.stderr
 
 
 def test_bad_stage_is_reported_before_training():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train_tiny.py"), "--zero_stage", "5"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = [str(ROOT / "recipes" / "train_tiny.py"), "--zero_stage", "5"]
+    done = launch(args, [sys.executable], timeout=120, check=False)
     assert done.returncode != 0
     assert "'stage' = 5 is not allowed; expected one of 0, 1, 2, 3" in done.stderr

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ACCELERATE, ROOT, TORCHRUN
+from helpers import ACCELERATE, ROOT, TORCHRUN, launch, start
 from helpers import clm_command as _command
 from safetensors.torch import load_file
 
@@ -39,19 +39,12 @@ pytestmark = pytest.mark.slow
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # its own process group: SIGSTOP / cleanup reach only this run
-    )  # fmt: skip
+    # Its own process group: SIGSTOP and cleanup reach only this run.
+    return start(cmd, launcher=(), new_session=True)
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(
-        cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        start_new_session=True,
-    )  # fmt: skip
+    return launch(cmd, launcher=(), timeout=timeout, check=False, new_session=True)
 
 
 def _logged_epochs(output: str) -> list[str]:

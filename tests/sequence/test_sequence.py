@@ -19,12 +19,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import MODEL, ROOT, build_model, lora_model, max_loss_diff, max_param_diff
+from helpers import MODEL, ROOT, build_model, launch, lora_model, max_loss_diff, max_param_diff
 
 import hf_zero
 from hf_zero.config.zero_config import ZeroConfig
@@ -326,8 +325,7 @@ def _trainer_run(tmp_path, name: str, launcher: list[str], *flags: str) -> list[
     cmd += ["--output_dir", str(out), "--do_train", "--max_steps", "4", "--report_to", "none"]
     cmd += ["--per_device_train_batch_size", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
     cmd += ["--save_strategy", "no", "--zero_stage", "3", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch(cmd, launcher=(), timeout=400)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     return [e["loss"] for e in history if "loss" in e]
 
@@ -347,8 +345,7 @@ def _sft_run(tmp_path, name: str, processes: str, *flags: str) -> list[dict]:
     cmd += ["--output_dir", str(tmp_path / name), "--max_steps", "4", "--report_to", "none"]
     cmd += ["--bf16", "false", "--zero_stage", "3", "--per_device_train_batch_size", "2"]
     cmd += ["--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch(cmd, launcher=(), timeout=400)
     history = json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"]
     return [e for e in history if "loss" in e]
 
