@@ -93,8 +93,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # A renamed case must not fall out of the list unnoticed (and into the fast loop). Read
     # from the files, so that a run of a few selected cases checks the same.
     here = Path(__file__).parent
-    files = {f.name: f for f in here.rglob("test_*.py")}
-    if len(files) != len(list(here.rglob("test_*.py"))):  # modules are imported by name
+    found = list(here.rglob("test_*.py"))
+    files = {f.name: f for f in found}
+    if len(files) != len(found):  # modules are imported by name
         raise pytest.UsageError("two test files under tests/ have the same name")
     stale = [f for f in LONG_FILES | set(LONG_CASES) if f not in files]
     for f, cases in LONG_CASES.items():

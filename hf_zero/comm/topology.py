@@ -99,7 +99,7 @@ class Topology:
 
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         """The global rank at a position of the ``pp x dp x tp`` grid."""
-        return (pp_rank * self.dp_size + dp_rank) * self.tp_size + tp_rank
+        return grid_rank(pp_rank, dp_rank, tp_rank, self.dp_size, self.tp_size)
 
     @property
     def dp_rank(self) -> int:
@@ -208,7 +208,7 @@ class Topology:
         dp_size = world // (pp_size * tp_size)
 
         def at(p: int, d: int, t: int) -> int:
-            return (p * dp_size + d) * tp_size + t
+            return grid_rank(p, d, t, dp_size, tp_size)
 
         stages, tps = range(pp_size), range(tp_size)
         dp_members = [tuple(at(p, d, t) for d in range(dp_size)) for p in stages for t in tps]
@@ -265,6 +265,11 @@ class Topology:
             world, rank, tp_size, node_size, dp, tp, intra, inter, control, dp_intra, dp_inter,
             hpz, sp, pp, tied,
         )  # fmt: skip
+
+
+def grid_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp_size: int, tp_size: int) -> int:
+    """The module docstring's layout: pipeline outermost, tensor innermost."""
+    return (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
 
 
 def hpz_size(setting: int | str, tp_size: int, node_size: int | None) -> int:
