@@ -61,6 +61,29 @@ class ZeroPPSettings:
     (bitsandbytes' 4-bit formats)."""
 
 
+def pack(q: Quantized) -> torch.Tensor:
+    """``q``'s rows as one byte tensor, ``[rows, payload (padded to 4 bytes) + scales]``: each
+    peer gets one message instead of two, which halves the rounds a collective of small
+    pieces waits for."""
+    rows, payload = q.data.shape[0], q.data.shape[1] * q.data.element_size()
+    width = -(-payload // 4) * 4
+    packed = torch.empty(rows, width + 4 * q.scales.shape[1], dtype=torch.uint8,
+                         device=q.data.device)  # fmt: skip
+    packed[:, :payload].copy_(q.data.view(torch.uint8))
+    packed[:, width:].copy_(q.scales.view(torch.uint8))
+    return packed
+
+
+def unpack(packed: torch.Tensor, like: Quantized) -> Quantized:
+    """The `Quantized` whose rows `pack` laid out in ``packed`` (views, no copy); ``like``
+    gives the format (any rows)."""
+    payload = like.data.shape[1] * like.data.element_size()
+    width = -(-payload // 4) * 4
+    data = packed[:, :payload].view(like.data.dtype)
+    scales = packed[:, width:].view(torch.float32)
+    return Quantized(data, scales, like.numel, like.bits, like.block_size, like.format)
+
+
 @clock.timed("quantize")
 def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> Quantized:
     """A flat shard as one quantized row (one smaller block if the shard is short)."""
@@ -83,16 +106,10 @@ class QuantizedGather:
         async_op: bool,
     ) -> None:
         self.output = output
-        rows = local.data.shape[0] * group.size
-        data = local.data.new_empty((rows, local.data.shape[1]))
-        scales = local.scales.new_empty((rows, local.scales.shape[1]))
-        self.gathered = Quantized(
-            data, scales, local.numel, local.bits, local.block_size, local.format
-        )
-        self._works = [
-            comm.all_gather(data.view(-1), local.data.reshape(-1), group, async_op=async_op),
-            comm.all_gather(scales.view(-1), local.scales.reshape(-1), group, async_op=async_op),
-        ]
+        sent = pack(local)
+        received = sent.new_empty((sent.shape[0] * group.size, sent.shape[1]))
+        self.gathered = unpack(received, local)
+        self._works = [comm.all_gather(received.view(-1), sent.view(-1), group, async_op=async_op)]
 
     def wait(self) -> None:
         for work in self._works:
@@ -138,19 +155,10 @@ class QuantizedReduceScatter:
             pieces = full.view(self.nodes, self.local, self.shard_numel)
             rows = [[pieces[n, j] for n in range(self.nodes)] for j in range(self.local)]
             q = self._quantize("intra", rows, self.intra_block)
-            received = Quantized(
-                torch.empty_like(q.data), torch.empty_like(q.scales), q.numel, q.bits, q.block_size
-            )
-            works = [
-                self.comm.all_to_all(
-                    received.data.view(self.local, -1), q.data.view(self.local, -1), self.intra,
-                    async_op=async_op,
-                ),
-                self.comm.all_to_all(
-                    received.scales.view(self.local, -1), q.scales.view(self.local, -1),
-                    self.intra, async_op=async_op,
-                ),
-            ]  # fmt: skip
+            sent = pack(q)
+            arrived = torch.empty_like(sent)
+            received = unpack(arrived, q)
+            works = [self.comm.all_to_all(arrived, sent, self.intra, async_op=async_op)]
 
         def rest() -> torch.Tensor:
             return self._step2(self._step1_sum(full, received, works))
@@ -188,13 +196,12 @@ class QuantizedReduceScatter:
         if self.nodes == 1:
             return partial.view(-1)
         q = self._quantize("inter", [[row] for row in partial], self.inter_block)
-        data, scales = torch.empty_like(q.data), torch.empty_like(q.scales)
-        self.comm.all_to_all(data, q.data, self.inter)
-        self.comm.all_to_all(scales, q.scales, self.inter)
+        sent = pack(q)
+        arrived = torch.empty_like(sent)
+        self.comm.all_to_all(arrived, sent, self.inter)
         total = torch.empty(1, self.shard_numel, dtype=torch.float32, device=partial.device)
         for node in range(self.nodes):
-            piece = Quantized(data[node : node + 1], scales[node : node + 1], q.numel, q.bits,
-                              q.block_size)  # fmt: skip
+            piece = unpack(arrived[node : node + 1], q)
             dequantize_rows_into(piece, total, accumulate=node > 0)
         return total.view(-1)
 
