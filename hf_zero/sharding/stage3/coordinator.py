@@ -170,7 +170,8 @@ class Zero3Coordinator:
         (the call entered the model below ``unit.module``) the unit is entered here."""
         if unit.is_gathered:
             if any(g.gather_pending for g in unit.groups):
-                self._gather(unit)  # a prefetch still on its way
+                self._start(unit)  # a prefetch still on its way
+                self._gather(unit)
             return None
         self._entered_below.append((module, unit))
         if not unit.is_root:
@@ -178,6 +179,7 @@ class Zero3Coordinator:
         # The root stays gathered after such a call (a generate() loop enters here every
         # token), until the next full forward ends, backward ends, or the optimizer steps.
         self._check("enter", unit.index, settled=True)
+        self._start(unit)
         self._gather(unit)
         trace = self.forward_trace
         self._fwd_cursor = 1 if trace and trace[0] == unit.index else 0  # prefetch along it
@@ -204,9 +206,10 @@ class Zero3Coordinator:
         )
         if self._recording is not None and torch.is_grad_enabled() and not _in_backward():
             self._recording[0].append(unit.index)
-        self._gather(unit)
+        self._start(unit)
         if not _in_backward():
             self._prefetch(self.forward_trace, "_fwd_cursor", unit)
+        self._gather(unit)
         if torch.is_grad_enabled():
             marked = _mark(_PostBackward, lambda: self._post_backward(unit), (args, kwargs))
             if marked is not None:
@@ -279,8 +282,9 @@ class Zero3Coordinator:
         if self._recording is not None:
             self._recording[1].append(unit.index)
         unit.backward_users += 1
-        self._gather(unit)
+        self._start(unit)
         self._prefetch(self.backward_trace, "_bwd_cursor", unit)
+        self._gather(unit)
 
     def _post_backward(self, unit: Unit) -> None:
         unit.backward_users = max(0, unit.backward_users - 1)
@@ -307,12 +311,21 @@ class Zero3Coordinator:
             self._adopt_traces(forward, backward)
 
     # --- gather, prefetch, release -----------------------------------------------------------
-    def _gather(self, unit: Unit) -> None:
+    def _start(self, unit: Unit) -> None:
+        """Count how ``unit`` finds its parameters and start its gather if none is on its way.
+        The prefetches issued next then queue right behind it, so the link does not idle while
+        this rank waits for the unit it needs now (only the issue order changes: the budgets
+        count this unit as gathered either way)."""
         if unit.index in self._prefetched:
             self._prefetched.discard(unit.index)
             self.stats["prefetch_hits"] += 1
         elif not unit.is_gathered:
             self.stats["on_demand_gathers"] += 1
+        for group in unit.groups:
+            group.gather(async_op=True)
+
+    def _gather(self, unit: Unit) -> None:
+        """Wait for ``unit``'s parameters (started by `_start`)."""
         gather_groups(unit.groups)
         for group in unit.groups:
             self.saved.track(group)

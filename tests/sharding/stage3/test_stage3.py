@@ -425,6 +425,44 @@ def test_prefetch_follows_the_first_steps_trace():
             }, later  # fmt: skip
 
 
+def _issue_order() -> list[tuple[str, int]]:
+    """The gathers started and waited for in the third step's forward, by unit."""
+    model = build_model()
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), stage=3, **ZERO3)
+    events: list[tuple[str, int]] = []
+    for unit in engine.coordinator.units:
+        for group in unit.groups:
+            gather, wait = group.gather, group.wait_gather
+
+            def started(*a, _g=group, _f=gather, _u=unit.index, **k):
+                if _g.flat_param is None:
+                    events.append(("start", _u))
+                return _f(*a, **k)
+
+            def waited(_g=group, _f=wait, _u=unit.index):
+                if _g.gather_pending:
+                    events.append(("wait", _u))
+                return _f()
+
+            group.gather, group.wait_gather = started, waited
+    for step in range(3):
+        events.clear()
+        x = batch(dist.get_rank(), step, 0)
+        loss = engine(input_ids=x, labels=x).loss
+        forward = list(events)
+        engine.backward(loss)
+        engine.step()
+    return forward
+
+
+def test_a_unit_waits_for_its_gather_only_after_starting_the_next_ones():
+    """The unit needed now starts its gather, then the prefetch behind it, then waits: the
+    next unit's bytes are on their way while this rank waits (a link never idles between)."""
+    for forward in run_distributed(_issue_order, 2):
+        assert forward[:3] == [("start", 0), ("start", 1), ("wait", 0)], forward
+        assert forward.index(("start", 2)) < forward.index(("wait", 1)), forward
+
+
 def test_max_live_parameters_limits_prefetch():
     for steps in run_distributed(_prefetch, 2, args=(1,)):
         assert all(s["prefetch_hits"] == 0 for s in steps)
