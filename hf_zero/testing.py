@@ -10,8 +10,9 @@ Used by hf_zero's own tests and usable in yours::
 
     assert run_distributed(body, world_size=2, args=(10,)) == [0, 10]
 
-Ranks are forked from a fork server that has already imported torch and transformers, so a
-group starts in about a second. ``body`` must be importable (a module-level function). A rank
+Ranks are forked from a fork server that has already imported torch and transformers' Trainer
+(and with it PEFT, bitsandbytes and accelerate: about 5 s of imports a rank would otherwise
+repeat), so a group starts in about a second. ``body`` must be importable (a module-level function). A rank
 that raises makes the call raise ``AssertionError`` with every failing rank's traceback; a group
 that has not finished within ``timeout`` seconds is killed and reported, so a hang fails the test
 instead of stalling CI.
@@ -23,6 +24,7 @@ The backend is gloo on CPU, or NCCL with ``HF_ZERO_TEST_DEVICE=cuda`` (rank ``r`
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -34,10 +36,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import transformers  # noqa: F401  (preloaded into the fork server)
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["hf_zero.testing", "transformers.models.llama.modeling_llama"])
+_CTX.set_forkserver_preload(
+    ["hf_zero.testing", "transformers.models.llama.modeling_llama", "transformers.trainer"]
+)
 
 
 def free_port() -> int:
@@ -67,6 +70,9 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    # What the fork server preloaded stays out of this rank's garbage collections: they would
+    # walk (and copy on write) every object of those imports each time they run.
+    gc.freeze()
     import torch.distributed as dist
 
     try:
