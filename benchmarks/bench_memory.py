@@ -9,8 +9,7 @@ ever holds it whole), calls `initialize()` and runs ``--steps`` training steps (
 ``--batch_size`` x ``--seq_len`` tokens). Each rank reads ``VmRSS`` and ``VmHWM`` from
 ``/proc/self/status`` (the peak is reset by writing 5 to ``/proc/self/clear_refs`` before the
 steps) at: ``base`` (imports and process group done, the libraries warmed up on a tiny model
-(`warm_up_libraries`), nothing built), after the build, after
-`initialize()`, after the last step's backward (``peak``: the model-state peak, gradients held,
+(`warm_up_libraries`), nothing built), after the build, after `initialize()`, after the last step's backward (``peak``: the model-state peak, gradients held,
 before the optimizer step) and after that step (``between`` steps). The RSS growth from ``base``
 is compared with `hf_zero.memory.estimate` for the same model, ranks and precision: at the peak
 and between steps (``between_steps=True``), device plus host bytes (on a CPU machine both are this
@@ -20,7 +19,8 @@ What RSS holds beyond the model states, and so what the ratios include: activati
 (small at ``--seq_len 32``), stage 3's gathered units (the root unit with the embeddings stays
 gathered from forward into backward), freed memory the allocator has not returned (glibc keeps
 small freed blocks; tensors of 32 MiB and more are unmapped on free), and hf_zero's own fixed
-costs (the libraries' first-use buffers are made before ``base``). The JSON keeps every reading; the table prints the ratios.
+costs (the libraries' first-use buffers are made before ``base``). The JSON keeps every reading;
+the table prints the ratios.
 Writes ``--out/bench_memory.json``. No timings here and none asserted anywhere.
 """
 
@@ -111,6 +111,7 @@ def warm_up_libraries(precision: str) -> None:
     import torch.distributed as dist
     from transformers import LlamaForCausalLM
 
+    from hf_zero.comm.collectives import all_gather_single, reduce_scatter_single
     from hf_zero.tiny import tiny_llama_config
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -118,8 +119,6 @@ def warm_up_libraries(precision: str) -> None:
     x = torch.randint(0, model.config.vocab_size, (1, 4))
     model(input_ids=x, labels=x).loss.backward()
     torch.optim.AdamW(model.parameters()).step()
-    from hf_zero.comm.collectives import all_gather_single, reduce_scatter_single
-
     flat, world = torch.zeros(1024, dtype=dtype), dist.get_world_size()
     dist.all_reduce(flat)
     all_gather_single(torch.empty(flat.numel() * world, dtype=dtype), flat)
@@ -144,8 +143,7 @@ def worker(args) -> dict:
     config = model_config(args)
     with torch.device("meta"):
         shape = shape_of(LlamaForCausalLM(config))  # what `hf-zero estimate` would count
-    warm_up_libraries(precision)
-    gc.collect()
+    warm_up_libraries(precision)  # ends with a collection and a trim
     dist.barrier()
     readings = {"base": proc_status()}
     torch.manual_seed(0)

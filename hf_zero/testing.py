@@ -12,10 +12,10 @@ Used by hf_zero's own tests and usable in yours::
 
 Ranks are forked from a fork server that has already imported torch and transformers' Trainer
 (and with it PEFT, bitsandbytes and accelerate: about 5 s of imports a rank would otherwise
-repeat), so a group starts in about a second. ``body`` must be importable (a module-level function). A rank
-that raises makes the call raise ``AssertionError`` with every failing rank's traceback; a group
-that has not finished within ``timeout`` seconds is killed and reported, so a hang fails the test
-instead of stalling CI.
+repeat), so a group starts in about a second. ``body`` must be importable (a module-level
+function). A rank that raises makes the call raise ``AssertionError`` with every failing rank's
+traceback; a group that has not finished within ``timeout`` seconds is killed and reported, so a
+hang fails the test instead of stalling CI.
 
 The backend is gloo on CPU, or NCCL with ``HF_ZERO_TEST_DEVICE=cuda`` (rank ``r`` on
 ``cuda:r``; NCCL refuses two ranks on one GPU, so a one-GPU machine runs one rank).
