@@ -28,14 +28,19 @@ train: setup
 		--max_steps 150 --learning_rate 1e-2 --per_device_train_batch_size 8 \
 		--logging_steps 25 --save_strategy no --report_to none
 
+# Two pytest workers, each in a network namespace of its own (tests/conftest.py; needs root),
+# each taking whole test files. WORKERS=0 runs everything in one process.
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	$(PYTEST)
 
 # The edit-test loop: every package folder, without the cases marked `slow` (world size 4) or
 # `long` (launches processes as a user does, or trains at length: tests/conftest.py). About 4
 # minutes on a 2-core CPU machine; CI runs everything (`make test`).
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not long"
+	$(PYTEST) -m "not slow and not long"
 
 # Re-run the notebooks and store their outputs (tests/end_to_end/test_notebooks.py checks they are current).
 notebooks: setup

@@ -1,4 +1,6 @@
-"""The ``long`` mark: what `make test-fast` leaves out (CI runs everything).
+"""The ``long`` mark, and parallel workers that cannot disturb each other.
+
+``long`` marks what `make test-fast` leaves out (CI runs everything).
 
 A case is long when it launches processes as a user does (``accelerate launch``, ``torchrun``,
 notebooks, benchmark scripts: each launch imports torch and transformers' Trainer in every
@@ -9,6 +11,9 @@ loop's contents are visible in one place.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -82,6 +87,42 @@ LONG_CASES = {
 }
 """Long cases in files that are otherwise quick (a fixture's users all listed: it runs once)."""
 
+LONGEST_FILES = [
+    "test_restarts.py",
+    "test_run.py",
+    "test_doctor.py",
+    "test_faults.py",
+    "test_integration.py",
+    "test_zeropp.py",
+    "test_examples.py",
+    "test_memory_rss.py",
+]
+"""The files that took over a minute in one process (``--durations=0``, 2-core CPU), longest
+first: started first by parallel workers. Order only; every file runs either way."""
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _own_network()
+
+
+def _own_network() -> None:
+    """Give this parallel worker (``make test`` runs two) a network of its own: a namespace with
+    only a loopback interface. The launches a user types bind the launchers' default port
+    (29500), and some tests read the loopback interface's byte counters; in a namespace of its
+    own, a worker's runs neither collide with nor count the other worker's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        raise pytest.UsageError(
+            "parallel test workers need a network namespace each, and unshare(CLONE_NEWNET) "
+            f"failed ({os.strerror(ctypes.get_errno())}; it needs root): run the tests in one "
+            "process with `make test WORKERS=0`"
+        )
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+
 
 @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -90,6 +131,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         case = getattr(item, "originalname", item.name)
         if name in LONG_FILES or case in LONG_CASES.get(name, ()):
             item.add_marker(pytest.mark.long)
+    # The longest files first, then those with long or slow cases: parallel workers take whole
+    # files in this order, and a long file taken last would leave the other worker idle at the
+    # end (sorted() keeps the order within each file and among files of the same kind).
+    heavy = {i.path for i in items if i.get_closest_marker("long") or i.get_closest_marker("slow")}
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items[:] = sorted(
+        items, key=lambda i: (first.get(i.path.name, len(first)), i.path not in heavy)
+    )
     # A renamed case must not fall out of the list unnoticed (and into the fast loop). Read
     # from the files, so that a run of a few selected cases checks the same.
     here = Path(__file__).parent
@@ -97,7 +146,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     files = {f.name: f for f in found}
     if len(files) != len(found):  # modules are imported by name
         raise pytest.UsageError("two test files under tests/ have the same name")
-    stale = [f for f in LONG_FILES | set(LONG_CASES) if f not in files]
+    stale = [f for f in LONG_FILES | set(LONG_CASES) | set(LONGEST_FILES) if f not in files]
     for f, cases in LONG_CASES.items():
         if f in files:
             text = files[f].read_text()

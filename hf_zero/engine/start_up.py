@@ -13,6 +13,7 @@ from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Topology, current_device, hpz_size, init_distributed
 from hf_zero.comm.watchdog import StallWatchdog
 from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.engine.process_exit import collect_once_at_exit
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,10 @@ class StartUp:
 def start_up(config: ZeroConfig, module: torch.nn.Module, steps: Callable[[], object]) -> StartUp:
     """Create the process groups of ``config``'s layout (collective: every rank calls it), the
     collectives and the stall watchdog (``steps()`` says which step a stalled rank is in), then
-    resolve ``config`` from ``module``'s hidden size and the data-parallel size."""
+    resolve ``config`` from ``module``'s hidden size and the data-parallel size. The process's
+    exit is made quick (`process_exit`)."""
     init_distributed(timeout=config.comm_timeout)
+    collect_once_at_exit()
     hpz = hpz_size(config.hpz_partition_size, config.tp_size, config.node_size)
     topology = Topology.build(
         config.tp_size, config.node_size, hpz, config.comm_timeout, config.sp_size, config.pp_size
