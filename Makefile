@@ -29,9 +29,10 @@ train: setup
 		--logging_steps 25 --save_strategy no --report_to none
 
 # Two pytest workers, each in a network namespace of its own (tests/conftest.py; needs root),
-# each taking whole test files. WORKERS=0 runs everything in one process.
+# each taking whole test files in the order tests/conftest.py gives them (longest first; xdist
+# would otherwise order files by their number of cases). WORKERS=0 runs everything in one process.
 WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PYTEST)
