@@ -38,7 +38,7 @@ test: setup
 	$(PYTEST)
 
 # The edit-test loop: every package folder, without the cases marked `slow` (world size 4) or
-# `long` (launches processes as a user does, or trains at length: tests/conftest.py). About 4
+# `long` (launches processes as a user does, or trains at length: tests/conftest.py). About 3
 # minutes on a 2-core CPU machine; CI runs everything (`make test`).
 test-fast: setup
 	$(PYTEST) -m "not slow and not long"

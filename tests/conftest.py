@@ -113,7 +113,9 @@ def _own_network() -> None:
     """Give this parallel worker (``make test`` runs two) a network of its own: a namespace with
     only a loopback interface. The launches a user types bind the launchers' default port
     (29500), and some tests read the loopback interface's byte counters; in a namespace of its
-    own, a worker's runs neither collide with nor count the other worker's."""
+    own, a worker's runs neither collide with nor count the other worker's. ``unshare`` moves the
+    calling thread, which is the one that runs the tests: every process and thread it starts
+    inherits the namespace."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWNET) != 0:
         raise pytest.UsageError(
