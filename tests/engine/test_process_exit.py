@@ -22,8 +22,10 @@ print("frozen before exit:", gc.get_freeze_count() > 0, flush=True)
 """
 
 GARBAGE_AT_EXIT = """
-import sys
+import gc, sys
 from hf_zero.engine.process_exit import collect_once_at_exit
+
+gc.disable()  # no automatic collection before exit: only the exit can free the cycle below
 
 class Flushed:
     def __del__(self):
@@ -31,7 +33,6 @@ class Flushed:
             f.write("finalized")
 
 collect_once_at_exit()
-collect_once_at_exit()  # once, however often
 a, b = Flushed(), Flushed()
 a.other, b.other = b, a  # a reference cycle: only the garbage collector frees it
 del a, b
