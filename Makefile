@@ -32,7 +32,8 @@ train: setup
 # each taking whole test files in the order tests/conftest.py gives them (longest first; xdist
 # would otherwise order files by their number of cases). WORKERS=0 runs everything in one process.
 WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest \
+	-n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PYTEST)

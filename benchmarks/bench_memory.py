@@ -9,8 +9,9 @@ ever holds it whole), calls `initialize()` and runs ``--steps`` training steps (
 ``--batch_size`` x ``--seq_len`` tokens). Each rank reads ``VmRSS`` and ``VmHWM`` from
 ``/proc/self/status`` (the peak is reset by writing 5 to ``/proc/self/clear_refs`` before the
 steps) at: ``base`` (imports and process group done, the libraries warmed up on a tiny model
-(`warm_up_libraries`), nothing built), after the build, after `initialize()`, after the last step's backward (``peak``: the model-state peak, gradients held,
-before the optimizer step) and after that step (``between`` steps). The RSS growth from ``base``
+(`warm_up_libraries`), nothing built), after the build, after `initialize()`, after the last
+step's backward (``peak``: the model-state peak, gradients held, before the optimizer step) and
+after that step (``between`` steps). The RSS growth from ``base``
 is compared with `hf_zero.memory.estimate` for the same model, ranks and precision: at the peak
 and between steps (``between_steps=True``), device plus host bytes (on a CPU machine both are this
 process's memory). The same points' `memory_report()` totals are reported next to the RSS.

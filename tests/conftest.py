@@ -123,7 +123,13 @@ def _own_network() -> None:
             f"failed ({os.strerror(ctypes.get_errno())}; it needs root): run the tests in one "
             "process with `make test WORKERS=0`"
         )
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    try:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    except FileNotFoundError:
+        raise pytest.UsageError(
+            "parallel test workers bring up their loopback with `ip` (iproute2), which is not "
+            "installed: install it, or run the tests in one process with `make test WORKERS=0`"
+        ) from None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
