@@ -8,7 +8,8 @@ Layout of a checkpoint directory::
                                        every file's parameter names, TP splits
     stage_pp00_tp00.safetensors        the parameters (fp32) of pipeline rank 0's stages and
     stage_pp01_tp00.safetensors        their optimizer state, ``param/<name>`` and
-    ...                                ``state/<name>/<key>`` (ZeRO-1/2 shards gathered first)
+    ...                                ``state/<name>/<key>`` (ZeRO-1/2 shards gathered first),
+                                       with a CRC-32 per 256 KiB block of each tensor
     COMPLETE                           written last
 
 Every tensor is stored per parameter under its model name, not per flat buffer or stage index,
@@ -23,15 +24,16 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_zero.checkpoint.format import MARKER
 from hf_zero.sharding.tp import TPShard, unsplit
+from hf_zero.storage.safetensors import SafetensorsSliceReader
 
 META = "pipeline_meta.json"
 FORMAT = "hf_zero-pipeline"
-VERSION = 1
+VERSION = 2
+"""2: every stage file carries a CRC-32 per block of each tensor (`write_streamed`)."""
 
 
 def stage_file(pp_rank: int, tp_rank: int) -> str:
@@ -63,31 +65,52 @@ def read_meta(directory: str | Path) -> dict:
 
 
 class StageFiles:
-    """Tensors by name across a checkpoint's stage files of one TP rank (read lazily)."""
+    """Tensors by name across a checkpoint's stage files of one TP rank, read when asked for:
+    every read is checked against the file's CRC-32s (format version 2 on; version 1 files carry
+    none), and a value that is NaN or Inf is refused."""
 
     def __init__(self, directory: Path, meta: dict, tp_rank: int) -> None:
         suffix = f"_tp{tp_rank:02d}.safetensors"
+        self.directory = directory
+        self.checksummed = meta.get("format_version", 1) >= 2
         self.where = {
             name: directory / file
             for file, names in meta["files"].items()
             if file.endswith(suffix)
             for name in names
         }
+        self._readers: dict[Path, SafetensorsSliceReader] = {}
+
+    def _reader(self, path: Path) -> SafetensorsSliceReader:
+        if path not in self._readers:
+            self._readers[path] = SafetensorsSliceReader(path, checksummed=self.checksummed)
+        return self._readers[path]
 
     def get(self, key: str) -> torch.Tensor | None:
         name = key.split("/")[1]
         path = self.where.get(name)
         if path is None:
             return None
-        with safe_open(str(path), framework="pt") as f:
-            stored = set(f.keys())  # safe_open supports no `in`
-            return f.get_tensor(key) if key in stored else None
+        reader = self._reader(path)
+        return self._finite(reader.tensor(key), key, path) if key in reader.header else None
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         path = self.where[name]
-        with safe_open(str(path), framework="pt") as f:
-            prefix, stored = f"state/{name}/", list(f.keys())
-            return {k[len(prefix) :]: f.get_tensor(k) for k in stored if k.startswith(prefix)}
+        reader, prefix = self._reader(path), f"state/{name}/"
+        return {
+            k[len(prefix) :]: self._finite(reader.tensor(k), k, path)
+            for k in reader.header
+            if k.startswith(prefix)
+        }
+
+    @staticmethod
+    def _finite(value: torch.Tensor, key: str, path: Path) -> torch.Tensor:
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(
+                f"hf_zero pipeline: '{key}' in {path} holds NaN/Inf; resume from an earlier "
+                "checkpoint"
+            )
+        return value
 
 
 def consolidate_pipeline(

@@ -77,5 +77,5 @@ def check_storage_dtypes(config) -> None:
         if config.pp_size > 1:
             raise NotImplementedError(
                 f"hf_zero: '{key}' = 'bf16' with 'pp_size' = {config.pp_size} is not "
-                "implemented: the pipeline's optimizer keeps fp32 masters"
+                "implemented: pipeline stages train in fp32 (16-bit storage needs a bf16 run)"
             )

@@ -1,19 +1,25 @@
 """What a `PipelineEngine` writes into a checkpoint and reads back, at any pp/dp layout and ZeRO
 stage with the same ``tp_size`` (the format: `hf_zero.checkpoint.pipeline_format`). Written into
 ``<dir>.tmp`` and published by one rename (`hf_zero.checkpoint.publish`), so a failed save never
-damages the previous one.
+damages the previous one; a save that fails on one rank fails on every rank together.
+
+Each stage file is written by the stage's first data-parallel rank one flat group at a time
+(`write_streamed`, a CRC-32 per block of every tensor): a group's sharded optimizer state is
+all-gathered over the stage's replicas, cut per parameter and written, so at most one group's
+state is whole in memory (under ``offload_optimizer: nvme`` it is read from its swap files then).
+Every read is checked against those checksums, and a value that is NaN or Inf is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from hf_zero.checkpoint.pipeline_format import (
     FORMAT,
@@ -24,9 +30,12 @@ from hf_zero.checkpoint.pipeline_format import (
     stage_file,
 )
 from hf_zero.checkpoint.publish import make_shared_tmp, publish, run_id
+from hf_zero.engine.save_failure import agree_on_failure
+from hf_zero.storage.safetensors import Piece, write_streamed
 
 if TYPE_CHECKING:
     from hf_zero.engine.pipeline_engine import PipelineEngine
+    from hf_zero.sharding.flat_group import FlatParamGroup
 
 
 # --- saving -----------------------------------------------------------------------------------
@@ -36,71 +45,110 @@ def save_checkpoint(engine: PipelineEngine, directory: str | Path, keep_last: in
     tmp = directory.with_name(directory.name + ".tmp")
     topo = engine.topology
     make_shared_tmp(tmp, directory, engine.comm)
-    tensors = _named_tensors(engine)  # collective over the data-parallel group
-    if topo.dp_rank == 0:
-        path = tmp / stage_file(topo.pp_rank, topo.tp_rank)
-        save_file(tensors, str(path))
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    names = sorted(n.split("/", 1)[1] for n in tensors if n.startswith("param/"))
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    pieces = _stage_pieces(engine, names)
+    path = tmp / stage_file(topo.pp_rank, topo.tp_rank)
+    failure = _write(pieces, path, writer=topo.dp_rank == 0)
+    nbytes = sum(math.prod(s) * d.itemsize for spec, _ in pieces for d, s in spec.values())
+    agree_on_failure(engine, failure, nbytes if topo.dp_rank == 0 else 0, directory, tmp)
+    saved = sorted(n.split("/", 1)[1] for spec, _ in pieces for n in spec if n.startswith("param/"))
     listing = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((stage_file(topo.pp_rank, topo.tp_rank), names), listing, dst=0)
-    dist.barrier()  # every file is on disk; a rank that died never gets past here
+    dist.gather_object((stage_file(topo.pp_rank, topo.tp_rank), saved), listing, dst=0)
     if dist.get_rank() == 0:
         publish(tmp, directory, META, _meta(engine, dict(listing)), keep_last)
     dist.barrier()
 
 
-def _named_tensors(engine: PipelineEngine) -> dict[str, torch.Tensor]:
-    """``param/<name>`` and ``state/<name>/<key>`` for this rank's parameters (the tied head's
-    copy left out: it equals the embedding, value and state)."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    opt = engine.stage_optimizer
-    out: dict[str, torch.Tensor] = {}
-    for p in engine.stage_parameters():
-        if id(p) in names:
-            out[f"param/{names[id(p)]}"] = p.detach().float().cpu().contiguous()
-    for flat in opt.flats:
-        if flat is None:
-            continue
-        if opt.stage == 0:
-            per_param = [engine.optimizer.state.get(p, {}) for p in flat.params]
-        else:
-            per_param = _unflatten_state(engine, flat)
-        for p, state in zip(flat.params, per_param):
+def _write(pieces: list[Piece], path: Path, writer: bool) -> Exception | None:
+    """The writer streams ``pieces`` into ``path``; the stage's other replicas produce them too,
+    for the all-gathers inside. A failed write still produces the remaining pieces, so that
+    the replicas' collectives complete and every rank can learn of the failure."""
+    produced = []
+
+    def counted(produce):
+        produced.append(produce)
+        return produce()
+
+    tracked = [(spec, functools.partial(counted, produce)) for spec, produce in pieces]
+    failure = None
+    if writer:
+        try:
+            write_streamed(tracked, path)
+        except (OSError, RuntimeError) as error:
+            failure = error
+    for _, produce in pieces[len(produced) :]:
+        produce()
+    return failure
+
+
+def _stage_pieces(engine: PipelineEngine, names: dict[int, str]) -> list[Piece]:
+    """This rank's stage file as pieces: parameters outside the groups (frozen ones), then one
+    piece per group: ``param/<name>`` and ``state/<name>/<key>`` for each of its parameters
+    (the tied head's copy left out: it equals the embedding, value and state)."""
+    grouped = {id(p) for g in engine.groups for p in g.params}
+    loose = {
+        f"param/{names[id(p)]}": p
+        for p in engine.stage_parameters()
+        if id(p) not in grouped and id(p) in names
+    }
+    pieces: list[Piece] = [
+        (
+            {n: (torch.float32, tuple(p.shape)) for n, p in loose.items()},
+            lambda: {n: p.detach().float().cpu() for n, p in loose.items()},
+        )
+    ]
+    for group in engine.groups:
+        spec = {}
+        state_spec = engine.optimizer.state_spec(group)
+        for slot, p in zip(group.layout.slots, group.params):
             if id(p) not in names:
                 continue
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    value = value.detach().reshape(p.shape) if value.dim() else value.reshape(1)
-                    out[f"state/{names[id(p)]}/{key}"] = value.float().cpu().clone()
+            spec[f"param/{names[id(p)]}"] = (torch.float32, tuple(slot.shape))
+            for key, (_, shape) in state_spec.items():
+                spec[f"state/{names[id(p)]}/{key}"] = (torch.float32, _saved_shape(shape, slot))
+        pieces.append((spec, functools.partial(_group_tensors, engine, group, names)))
+    return pieces
+
+
+def _saved_shape(shape: tuple, slot) -> tuple:
+    """A state tensor per parameter: elementwise ones in the parameter's shape, a scalar (the
+    step counter) as one element."""
+    return tuple(slot.shape) if len(shape) else (1,)
+
+
+def _group_tensors(
+    engine: PipelineEngine, group: FlatParamGroup, names: dict[int, str]
+) -> dict[str, torch.Tensor]:
+    """One group's parameters and optimizer state per parameter (collective over the stage's
+    replicas: the state's shards are all-gathered)."""
+    out = {}
+    for p in group.params:
+        if id(p) in names:
+            out[f"param/{names[id(p)]}"] = p.detach().float().cpu()
+    for key, value in sorted(engine.optimizer.state_of(group).items()):
+        if not torch.is_tensor(value):
+            continue
+        if value.dim():
+            whole = value
+            if group.layout.num_shards > 1:
+                whole = torch.empty(
+                    group.layout.padded_numel, dtype=value.dtype, device=value.device
+                )
+                engine.comm.all_gather(whole, value.contiguous(), group.shard_group)
+        for slot, p in zip(group.layout.slots, group.params):
+            if id(p) in names:
+                cut = whole[slot.offset : slot.end].view(slot.shape) if value.dim() else value
+                out[f"state/{names[id(p)]}/{key}"] = (
+                    cut.reshape(_saved_shape(tuple(value.shape), slot)).float().cpu()
+                )
     return out
-
-
-def _unflatten_state(engine: PipelineEngine, flat) -> list[dict[str, torch.Tensor]]:
-    """ZeRO-1/2: each state tensor's shards all-gathered over the replicas, cut per parameter."""
-    state = engine.optimizer.state.get(flat.master, {})
-    per_param: list[dict[str, torch.Tensor]] = [{} for _ in flat.params]
-    for key in sorted(state):
-        value = state[key]
-        if not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 0:  # the step counter: the same for every parameter of the group
-            for entry in per_param:
-                entry[key] = value
-            continue
-        full = torch.empty(flat.layout.padded_numel, dtype=value.dtype, device=value.device)
-        engine.comm.all_gather(full, value.contiguous(), engine.topology.dp)
-        for entry, slot in zip(per_param, flat.layout.slots):
-            entry[key] = full[slot.offset : slot.end]
-    return per_param
 
 
 def _meta(engine: PipelineEngine, files: dict[str, list[str]]) -> dict:
     topo, config = engine.topology, engine.config
     groups = [
         {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str))}
-        for g in engine.optimizer.param_groups
+        for g in engine.optimizer.optimizer.param_groups
     ]
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     try:
@@ -132,6 +180,7 @@ def _meta(engine: PipelineEngine, files: dict[str, list[str]]) -> dict:
     }
 
 
+# --- loading ----------------------------------------------------------------------------------
 def load_checkpoint(engine: PipelineEngine, directory: str | Path) -> None:
     """Load parameters, optimizer state, step counter and scheduler saved at any pp/dp layout
     and ZeRO stage with the same ``tp_size``."""
@@ -152,49 +201,53 @@ def load_checkpoint(engine: PipelineEngine, directory: str | Path) -> None:
     def name_of(p: torch.nn.Parameter) -> str:
         return embed_name if p is engine.tied_copy else names[id(p)]
 
-    with torch.no_grad():
-        for p in engine.stage_parameters():
-            value = files.get(f"param/{name_of(p)}")
-            if value is None or tuple(value.shape) != tuple(p.shape):
-                found = None if value is None else tuple(value.shape)
-                raise ValueError(
-                    f"hf_zero pipeline: checkpoint '{directory}' has no parameter "
-                    f"'{name_of(p)}' of shape {tuple(p.shape)} (found {found}): it was saved "
-                    f"from another model ({meta['model_class']})"
-                )
-            p.copy_(value)
-    engine.stage_optimizer.copy_params_to_master()
-    _load_optimizer(engine, files, name_of)
-    for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+    failure = None
+    try:  # no collective until every rank has read and checked its part
+        with torch.no_grad():
+            for p in engine.stage_parameters():
+                value = files.get(f"param/{name_of(p)}")
+                if value is None or tuple(value.shape) != tuple(p.shape):
+                    found = None if value is None else tuple(value.shape)
+                    raise ValueError(
+                        f"hf_zero pipeline: checkpoint '{directory}' has no parameter "
+                        f"'{name_of(p)}' of shape {tuple(p.shape)} (found {found}): it was "
+                        f"saved from another model ({meta['model_class']})"
+                    )
+                p.copy_(value)
+            for group in engine.groups:
+                # Every replica loaded the whole parameters: the master shard is its region.
+                _load_group(engine, group, [files.state(name_of(p)) for p in group.params])
+    except (ValueError, OSError) as error:
+        failure = error
+    failed = torch.tensor([failure is not None], dtype=torch.int32, device=engine.device)
+    engine.comm.for_purpose("control").all_reduce_max(failed, topo.world)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise ValueError(
+            f"hf_zero pipeline: checkpoint '{directory}' failed to load on another rank (its "
+            "error says why); nothing was resumed"
+        )
+    for group, saved in zip(engine.optimizer.optimizer.param_groups, meta["param_groups"]):
         group.update(saved)
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     engine.global_steps = meta["global_steps"]
 
 
-def _load_optimizer(engine: PipelineEngine, files: StageFiles, name_of) -> None:
-    opt = engine.stage_optimizer
-    engine.optimizer.state.clear()
-    for flat in opt.flats:
-        if flat is None:
+def _load_group(engine: PipelineEngine, group: FlatParamGroup, states: list[dict]) -> None:
+    """``group``'s master shard (the parameters just loaded) and its optimizer state shard,
+    laid out from the per-parameter ``states`` (a parameter without one gets zeros)."""
+    start, end = group.layout.shard_range(group.shard_index)
+    shard: dict[str, torch.Tensor] = {}
+    for key in sorted(set().union(*states)):
+        if key == "step":  # the same for every parameter of a group
+            shard[key] = next(s[key] for s in states if key in s).reshape(())
             continue
-        states = [files.state(name_of(p)) for p in flat.params]
-        if opt.stage == 0:
-            for p, state in zip(flat.params, states):
-                if state:
-                    engine.optimizer.state[p] = {
-                        k: (v.reshape(()) if k == "step" else v.to(p.device))
-                        for k, v in state.items()
-                    }
-            continue
-        keys = set().union(*states)
-        shard: dict[str, torch.Tensor] = {}
-        start, end = flat.layout.shard_range(opt.dp_index)
-        for key in sorted(keys):
-            if key == "step":
-                shard[key] = states[0][key].reshape(())
-                continue
-            whole = opt.flatten([s.get(key) for s in states], flat.layout)
-            shard[key] = whole[start:end].clone().to(flat.master.device)
-        if shard:
-            engine.optimizer.state[flat.master] = shard
+        whole = torch.zeros(group.layout.padded_numel, dtype=torch.float32)
+        for slot, state in zip(group.layout.slots, states):
+            if key in state:
+                whole[slot.offset : slot.end] = state[key].reshape(-1)
+        shard[key] = whole[start:end].clone()
+    master = group.flat_param[start:end].float().clone()
+    engine.optimizer.load_state_of(group, master, shard)

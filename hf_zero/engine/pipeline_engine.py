@@ -6,17 +6,22 @@ AutoTP splits the model inside every stage (as `ZeroEngine` does), the model is 
 `torch.distributed.pipelining` runs the schedule on each pipeline (measured exact on gloo/CPU in
 tests/pipeline/test_pipeline.py). `train_batch` cuts the replica's batch into ``pp_microbatches``
 along dim 0, runs the schedule, sums the tied embedding's two copies' gradients, averages the
-gradients over the stage's data-parallel group (ZeRO-1/2 shard the optimizer state:
-`StageOptimizer`), clips the global norm across every stage, steps, and returns the replica's
-mean micro-batch loss on every rank of the replica.
+gradients over the stage's data-parallel group, clips the global norm across every stage, steps,
+and returns the replica's mean micro-batch loss on every rank of the replica.
 
-Each rank builds the whole model, keeps its stages' parameters and empties the others'.
+Each rank builds the whole model, keeps its stages' parameters and empties the others'. Its
+stages' parameters go into the same flat groups, master weights and sharded optimizer as
+`ZeroEngine`'s stages 0-2 (`GroupBuilder`, `ShardedOptimizer`), over the stage's data-parallel
+group, so what ZeRO offers there (an offloaded optimizer step, for one) reaches pipelines too.
+The one difference is when gradients are reduced: the schedule runs each micro-batch's backward
+itself, so they accumulate whole in ``.grad`` and are reduced once after it
+(`GradientReducer.reduce_accumulated`); ZeRO-2 then frees them right after the reduce-scatter,
+which is what it saves here, as DeepSpeed's reason for refusing ZeRO-2 with pipelines says.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import weakref
 
@@ -29,10 +34,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from hf_zero.comm import ZeroPPSettings
 from hf_zero.config.checks import AUTO
 from hf_zero.config.zero_config import ZeroConfig
+from hf_zero.engine.memory_report import held_memory
 from hf_zero.engine.start_up import start_up
 from hf_zero.engine.surface import Engine
+from hf_zero.numerics.precision import LossScaler
+from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.pipeline.split import (
     CausalLMStage,
@@ -41,8 +50,9 @@ from hf_zero.pipeline.split import (
     stage_model_parameters,
     sync_tied_grads,
 )
-from hf_zero.pipeline.stage_optimizer import StageOptimizer
 from hf_zero.profiling import profile_settings
+from hf_zero.sharding.grouping import GroupBuilder
+from hf_zero.sharding.reducer import GradientReducer
 from hf_zero.sharding.tp import TensorParallel, resolve_plan
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -66,12 +76,6 @@ def check_supported(config: ZeroConfig) -> None:
             "step (DeepSpeed refuses it too). Use 'stage' 1 or 2, which shard the optimizer "
             "state (and gradients) over each stage's data-parallel group"
         )
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(config, key) != "none":
-            raise NotImplementedError(
-                f"hf_zero pipeline: '{key}' = {getattr(config, key)!r} with 'pp_size' > 1 is not "
-                "implemented; pipeline stages keep their state on the device"
-            )
     if profile_settings(config) is not None:
         raise NotImplementedError(
             "hf_zero pipeline: profiling ('profile' = true, hf-zero doctor) is not implemented "
@@ -135,10 +139,7 @@ class PipelineEngine(Engine):
         """Schedules by micro-batch shape: a stage sizes its receive buffers from the first
         micro-batch it sees, so another shape (a new sequence length) gets its own."""
         self.tied = self.stages[0].tied
-        self.stage_optimizer = StageOptimizer(
-            self.stage_parameters(), optimizer, config.stage, topo.dp, topo.rank, self.comm,
-            self._norm_weight,
-        )  # fmt: skip
+        self._build_step(optimizer)
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self.grad_norm_post_clip: float | None = None
@@ -198,13 +199,33 @@ class PipelineEngine(Engine):
                 return stage.lm_head.weight
         return None
 
-    def _norm_weight(self, p: torch.nn.Parameter) -> int:
-        """1 when this rank counts ``p``'s gradient in the global norm (each element once)."""
-        if p is self.tied_copy:
-            return 0  # the embedding on the first stage counts the tied weight
-        if self.tp is not None and self.tp.shard_of(p) is None and self.topology.tp_rank != 0:
-            return 0  # TP-replicated: the same gradient on every TP rank
-        return 1
+    def _build_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """This rank's stages in flat groups over the stage's data-parallel group (ZeRO stage
+        0-2, as `ZeroEngine` builds them), the reducer that takes their gradients after the
+        schedule, and the optimizer re-pointed at their master weights."""
+        config, topo = self.config, self.topology
+        mine = {id(p) for p in self.stage_parameters()}
+        for group in optimizer.param_groups:  # the emptied stages' parameters leave it
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+        builder = GroupBuilder(
+            torch.nn.ModuleList(self.stages), config, topo, self.comm, ZeroPPSettings(),
+            torch.float32,  # pipelines train in fp32 (`check_supported`)
+            lambda p: self.tp is not None and self.tp.shard_of(p) is not None,
+            # The first stage's embedding counts the tied weight's gradient; its copy does not.
+            counted_in_norm=lambda p: p is not self.tied_copy,
+        )  # fmt: skip
+        self.groups = builder.build(optimizer)
+        self._grouped, self.swaps = builder.grouped, builder.swaps
+        self.reducer = GradientReducer(
+            self.groups, config.stage, 1, overlap_comm=True, control=topo.dp_control,
+            comm=self.comm, max_inflight_numel=config.reduce_inflight_numel, hooks=False,
+        )  # fmt: skip
+        self.optimizer = ShardedOptimizer(
+            optimizer, self.groups, self.comm, topo.dp, LossScaler.from_config(config),
+            tp_group=topo.tp if self.tp is not None else None,
+            fast_kernel=config.offload_optimizer_fast_kernel,
+            buffer_count=config.offload_optimizer_buffer_count, pp_group=topo.pp,
+        )  # fmt: skip
 
     def stage_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters, every stage of it, in order (a tied copy included)."""
@@ -221,9 +242,12 @@ class PipelineEngine(Engine):
             for stage in self.stages:
                 if stage.first or stage.last:
                     sync_tied_grads(stage, self.topology.tied.pg)
-        self.stage_optimizer.reduce()
+        self.reducer.reduce_accumulated()
         self.clip_grad_norm_(self.config.gradient_clipping or float("inf"))
-        self.stage_optimizer.step()
+        self.optimizer.step(clipped=True)
+        for group in self.groups:
+            group.zero_grad()
+        self.optimizer.end_step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -289,14 +313,9 @@ class PipelineEngine(Engine):
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the global gradient norm over every stage, replica and TP slice (a tied weight
         counted once); returns the norm before clipping. Call after the reduction."""
-        sq = self.stage_optimizer.grad_norm_sq().to(self.device)
-        dist.all_reduce(sq)
-        norm = math.sqrt(sq.item())
-        coef = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-        if coef < 1.0:
-            self.stage_optimizer.scale_grads(coef)
+        norm = self.optimizer.clip_grad_norm_(max_norm)
         self.last_grad_norm = norm
-        self.grad_norm_post_clip = norm * min(coef, 1.0)
+        self.grad_norm_post_clip = self.optimizer.last_grad_norm_post_clip
         return norm
 
     # --- reports ---------------------------------------------------------------------------
@@ -307,14 +326,10 @@ class PipelineEngine(Engine):
         return self.comm.stats
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: its stages' parameters and gradients, optimizer state."""
-        params = self.stage_parameters()
-        grads = [p.grad for p in params if p.grad is not None]
-        return {
-            "params": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(g.numel() * g.element_size() for g in grads),
-            "optimizer": self.stage_optimizer.state_bytes(),
-        }
+        """Bytes this rank holds now, by kind, as `ZeroEngine.memory_report` counts them: its
+        stages' parameters, gradients, master weights and optimizer state (``host_*``,
+        ``nvme_*``: offloaded)."""
+        return held_memory(self.groups, self.module, self._grouped, self.optimizer)
 
     # --- weights and checkpoints -----------------------------------------------------------
     def stage_state_dict(self) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ call                                           ZeroEngine  PipelineEngine  notes
 ``save_pretrained(dir)``                       yes         raises          streamed, group by group
 ``memory_report()`` / ``comm_stats``           yes         yes
 ``clip_grad_norm_`` / ``no_sync()``            yes         yes
+``close()``                                    yes         yes             swap files removed
 ``engine(batch)``, ``backward``, ``step``,     yes         raises          a pipeline runs them
 ``zero_grad``, ``gathered_parameters``                                     inside ``train_batch``
 =============================================  ==========  ==============  ======================
@@ -77,6 +78,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def no_sync(self):
         """A context that skips gradient communication where the engine can."""
+
+    swaps: dict = {}
+    """ZeRO-Infinity: this rank's swap spaces by NVMe tier (`hf_zero.storage.swap.SwapSpace`)."""
+    watchdog: Any = None
+
+    def close(self) -> None:
+        """Remove this rank's NVMe swap files (done at exit too; another engine of this process
+        on the same nvme_path keeps them until it closes too); no training after it."""
+        for swap in set(self.swaps.values()):
+            swap.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     # --- the hand-written loop: `ZeroEngine` only -----------------------------------------
     def __call__(self, *args, **kwargs):

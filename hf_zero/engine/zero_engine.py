@@ -23,6 +23,7 @@ from hf_zero.comm import CommStats
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine import checkpointing, pretrained_save
 from hf_zero.engine.full_state_dict import full_state_dict, saved_state_dict
+from hf_zero.engine.memory_report import held_memory
 from hf_zero.engine.model_checks import check_materialized, check_same_model
 from hf_zero.engine.start_line import describe
 from hf_zero.engine.start_up import start_up
@@ -32,7 +33,6 @@ from hf_zero.numerics.precision import DTYPES, LossScaler
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.profiling import Profiler, profile_settings
-from hf_zero.sharding.accounting import loose_param_bytes
 from hf_zero.sharding.grouping import GroupBuilder, log_quantization_padding, zeropp_settings
 from hf_zero.sharding.reducer import GradientReducer
 from hf_zero.sharding.stage3.coordinator import Zero3Coordinator
@@ -396,31 +396,9 @@ class ZeroEngine(Engine):
         ``nvme_*`` kinds are swap-file bytes on disk (ZeRO-Infinity), not memory.
         ``total`` sums the device kinds, ``host_total`` the host ones, ``nvme_total`` the disk.
         """
-        device_kinds = ("params", "grads", "master_weights", "optimizer_states")
-        report = dict.fromkeys(device_kinds, 0)
-        report.update(dict.fromkeys(("host_" + k for k in device_kinds), 0))
-        device_kinds += ("secondary_params", "quantized_params")
-        report.update(secondary_params=0, quantized_params=0)
-        nvme_kinds = ("nvme_params", "nvme_grads", "nvme_master_weights", "nvme_optimizer_states")
-        report.update(dict.fromkeys(nvme_kinds, 0))
-        for group in self.groups + self.frozen_groups:
-            for kind, nbytes in group.held_bytes().items():
-                report[kind] += nbytes
-        for kind, nbytes in loose_param_bytes(self.module, self._grouped).items():
-            report[kind] += nbytes
-        report.update(self.optimizer.state_bytes())
-        report["total"] = sum(report[k] for k in device_kinds)
-        report["host_total"] = sum(v for k, v in report.items() if k.startswith("host_"))
-        report["nvme_total"] = sum(report[k] for k in nvme_kinds)
-        return report
-
-    def close(self) -> None:
-        """Remove this rank's NVMe swap files (done at exit too; another engine of this process
-        on the same nvme_path keeps them until it closes too); no training after it."""
-        for swap in set(self.swaps.values()):
-            swap.close()
-        if self.watchdog is not None:
-            self.watchdog.stop()
+        return held_memory(
+            self.groups + self.frozen_groups, self.module, self._grouped, self.optimizer
+        )
 
     def full_state_dict(
         self, rank0_only: bool = True, master_weights: bool = False

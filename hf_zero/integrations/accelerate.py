@@ -110,7 +110,7 @@ class PipelineAcceleratedOptimizer(AcceleratedOptimizer):
     ``zero_grad`` have nothing left to do (its scheduler still steps the learning rate)."""
 
     def __init__(self, engine) -> None:
-        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+        super().__init__(engine.optimizer.optimizer, device_placement=False, scaler=None)
         self.engine = engine
 
     def step(self, closure=None):

@@ -151,9 +151,12 @@ class ShardedOptimizer:
         tp_group: Group | None = None,
         fast_kernel: bool = True,
         buffer_count: int = 4,
+        pp_group: Group | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.tp_group = tp_group
+        self.pp_group = pp_group
+        """Pipelines: the stages of this rank's pipeline, whose norms add up to the model's."""
         self.groups = groups
         self.comm = comm.for_purpose("control")  # overflow flags and norms only
         self.dp_group = dp_group
@@ -227,13 +230,15 @@ class ShardedOptimizer:
         return self._overflow
 
     def global_grad_norm(self) -> float:
-        """L2 norm of the whole (unscaled) gradient across all shards (collective)."""
+        """L2 norm of the whole (unscaled) gradient across all shards (collective); with
+        pipeline stages, across every stage. Groups not ``counted_in_norm`` are left out."""
         self.prepare_grads()
         # With TP: [replicated, TP-split]; a TP-split parameter's norm sums over its TP slices.
         tp = self.tp_group is not None
         sq = torch.zeros(2 if tp else 1, dtype=torch.float32, device=self._master_device())
+        # `.to(sq.device)`: under partial offload some gradients are on the host.
         for g in self.groups:
-            if g.grads.present:  # partial offload: some on the host, some on the device
+            if g.grads.present and g.counted_in_norm:
                 sq[int(g.tp_split and tp)] += g.grads.square_sum().to(sq.device)
         sq = sq.to(self._comm_device())
         if self.groups and self.groups[0].layout.num_shards > 1:
@@ -242,6 +247,8 @@ class ShardedOptimizer:
             split = sq[1:].clone()
             self.comm.all_reduce(split, self.tp_group)
             sq[1:] = split
+        if self.pp_group is not None:
+            self.comm.all_reduce(sq, self.pp_group)
         return math.sqrt(sq.sum().item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:

@@ -102,6 +102,9 @@ class FlatParamGroup:
         self.zeropp = zpp = spec.zeropp
         self.tp_split = False
         """AutoTP: the parameters are this rank's slices (their gradient norms add over TP)."""
+        self.counted_in_norm = True
+        """The gradients count in the global norm (a pipeline's second copy of a tied weight,
+        which another stage counts, does not)."""
         self.param_group_index = param_group_index
         self.trainable = param_group_index is not None
         self.params, self.names, self.stage = params, names, stage

@@ -119,9 +119,12 @@ class GroupBuilder:
         zeropp: ZeroPPSettings,
         dtype: torch.dtype,
         tp_split: Callable[[torch.Tensor], bool],
+        counted_in_norm: Callable[[torch.Tensor], bool] = lambda p: True,
     ) -> None:
         self.module, self.config, self.topology, self.comm = module, config, topology, comm
         self.zeropp, self.dtype, self.tp_split = zeropp, dtype, tp_split
+        self.counted_in_norm = counted_in_norm
+        """Whether a parameter's gradient counts in the global norm (its bucket's key)."""
         self.units: list[Unit] = []
         self.frozen_groups: list[FlatParamGroup] = []
         self.grouped: set[int] = set()
@@ -200,6 +203,7 @@ class GroupBuilder:
             for p in params:
                 p._hf_zero_group = group  # found again by gathered_parameters()
             group.tp_split = self.tp_split(params[0])
+            group.counted_in_norm = self.counted_in_norm(params[0])
             return group
 
         if self.config.stage == 3:
@@ -213,8 +217,12 @@ class GroupBuilder:
             unshard_params(sliced, self.comm, self.topology.dp)
             replicated, groups = trainable, []
         # Gradients become ready roughly in reverse order of registration.
-        # Buckets never mix TP-split and replicated parameters (their norms add differently).
-        items = [((group_of[id(p)], self.tp_split(p)), p) for p in reversed(replicated)]
+        # Buckets never mix TP-split and replicated parameters (their norms add differently),
+        # nor parameters the global norm counts with ones it leaves out.
+        items = [
+            ((group_of[id(p)], self.tp_split(p), self.counted_in_norm(p)), p)
+            for p in reversed(replicated)
+        ]
         stage = min(self.config.stage, 2)
         buckets = bucket_params(items, self.config.reduce_bucket_size)
         groups += [make(key[0], params, stage) for key, params in buckets]

@@ -12,6 +12,10 @@ over. A callback queued on the autograd engine finishes the pass: it launches bu
 filled (unused parameters count as zero gradients), waits for all reductions, and counts the
 micro-step. Because the hooks do the work, ``loss.backward()`` and ``engine.backward(loss)``
 behave the same.
+
+Without hooks (``hooks=False``: a pipeline schedule, whose micro-batches' backward passes are
+its own), gradients accumulate whole in ``.grad`` and `reduce_accumulated` hands them to the
+groups and reduces them afterwards, through the same launch order and in-flight bound.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class GradientReducer:
         control: Group,
         comm: Collectives | None = None,
         max_inflight_numel: int | None = None,
+        hooks: bool = True,
     ) -> None:
         self.groups = groups
         self.max_inflight_numel = max_inflight_numel
@@ -68,7 +73,7 @@ class GradientReducer:
         self._next_launch = 0
         self._handles = []
         self.on_backward_end = None
-        for group in groups:
+        for group in groups if hooks else []:
             for i, p in enumerate(group.params):
                 hook = functools.partial(self._on_grad, group, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
@@ -135,6 +140,18 @@ class GradientReducer:
             oldest = self._inflight.pop(0)
             oldest.wait_reduce()
             oldest.land_reduction()
+
+    def reduce_accumulated(self) -> None:
+        """Reduce the gradients accumulated in the parameters' ``.grad`` since the last step,
+        as a synced backward's end does (for a reducer built with ``hooks=False``)."""
+        if self._handles:
+            raise RuntimeError("hf_zero: reduce_accumulated is for a reducer without hooks")
+        for group in self.groups:
+            for i, p in enumerate(group.params):
+                if p.grad is not None:
+                    group.on_grad_ready(i)
+        self._sync_this_backward = True
+        self._finish_backward()
 
     def _finish_backward(self) -> None:
         if self._sync_this_backward:

@@ -231,7 +231,9 @@ def _train(
         "param_diff": diff,
         "names": sorted(full) == sorted(ref) if full else None,
         "topology": (engine.topology.pp_rank, engine.topology.dp_rank, engine.topology.tp_rank),
-        "state_bytes": engine.stage_optimizer.state_bytes(),
+        "state_bytes": engine.memory_report()["optimizer_states"],
+        "buckets": len(engine.groups),
+        "memory": engine.memory_report(),
         "params_bytes": engine.memory_report()["params"],
         "stage_numel": sum(p.numel() for p in engine.stage_parameters() if p.requires_grad),
     }
@@ -314,12 +316,28 @@ def test_two_stages_times_two_replicas_with_zero(stage):
     results = run_distributed(_train, 4, args=(2, "1f1b", True), kwargs={"stage": stage})
     _check_training(results, pp=2, dp=2)
     for r in results:
-        whole = 2 * 4 * r["stage_numel"]  # exp_avg + exp_avg_sq, fp32
+        moments = 2 * 4 * r["stage_numel"]  # exp_avg + exp_avg_sq, fp32
+        counters = 4 * r["buckets"]  # one fp32 step counter per bucket's master
         held = r["state_bytes"]
         if stage == 0:
-            assert held == whole, (held, whole)
-        else:  # a shard of the flat buffer, padded to 2 x 8 elements
-            assert whole / 2 <= held <= whole / 2 + 2 * 4 * 16, (held, whole)
+            assert held == moments + counters, (held, moments, counters)
+        else:  # a shard of each bucket's flat buffer, padded to 2 x 8 elements
+            least = moments / 2 + counters
+            assert least <= held <= least + 2 * 4 * 16 * r["buckets"], (held, least)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_optimizer_offloaded_to_host_memory(stage):
+    """ZeRO-Offload inside pipeline stages (PP 2 x DP 2): each rank's master shards and their
+    AdamW state live in host memory and step there; the same training as the whole model in one
+    process, to the same tolerance."""
+    kwargs = {"stage": stage, "offload_optimizer": "cpu"}
+    results = run_distributed(_train, 4, args=(2, "1f1b", True), kwargs=kwargs)
+    _check_training(results, pp=2, dp=2)
+    for r in results:
+        memory = r["memory"]
+        assert memory["host_optimizer_states"] > 0 and memory["host_master_weights"] > 0, memory
+        assert memory["optimizer_states"] == memory["master_weights"] == 0, memory
 
 
 TP_PARAM_TOL = 1e-5
@@ -356,8 +374,6 @@ def test_what_pipelines_do_not_combine_with_is_refused_clearly():
     msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, stage=3),))
     assert "'stage' = 3 with 'pp_size' > 1 is not supported" in msgs[0]
     assert "2 x pp_microbatches" in msgs[0]
-    msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, stage=2, offload_optimizer="cpu"),))
-    assert "'offload_optimizer' = 'cpu' with 'pp_size' > 1" in msgs[0]
     msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, stage=1, profile=True),))
     assert "profiling ('profile' = true, hf-zero doctor) is not implemented" in msgs[0]
     msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, tp_size=2),))

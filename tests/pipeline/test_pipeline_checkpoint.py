@@ -7,6 +7,8 @@ a mean of micro-batch losses, is the same whatever the layout): replica ``d`` ta
 slice of each global batch.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,8 +73,9 @@ def test_resume_same_layout_bit_exact_and_resharded_to_other_layouts(tmp_path):
     same = run_distributed(_load_and_continue, 2, args=(path, 2, 1))[0]
     assert same["after"] == saved["after"]  # the same layout: bit for bit
     # Another layout runs the same arithmetic in another order: equal to the parity tolerance.
-    for world, pp, stage in [(4, 4, 0), (4, 2, 2)]:
-        other = run_distributed(_load_and_continue, world, args=(path, pp, stage))[0]
+    # The last layout steps its optimizer in host memory (ZeRO-Offload): loaded into it.
+    for world, pp, stage, cfg in [(4, 4, 0, {}), (4, 2, 2, {"offload_optimizer": "cpu"})]:
+        other = run_distributed(_load_and_continue, world, args=(path, pp, stage), kwargs=cfg)[0]
         assert max(abs(a - b) for a, b in zip(other["after"], saved["after"])) <= 1e-6, other
 
     # hf-zero consolidate: the whole model under its own names, as the run holds it.
@@ -107,34 +110,75 @@ def _refusals(path: str) -> dict:
 def _save_twice_second_fails(path: str) -> dict:
     import hf_zero.engine.pipeline_checkpointing as ckpt
 
-    engine = _engine(2)
+    engine = _engine(2, stage=2)
     _steps(engine, 0, 1)
     engine.save_checkpoint(path)
     first = engine.full_state_dict()
     _steps(engine, 1, 1)
-    real = ckpt.save_file
+    real = ckpt.write_streamed
 
-    def broken(tensors, filename, metadata=None):
-        real(dict(list(tensors.items())[:1]), filename)
+    def broken(pieces, filename, metadata=None):
+        for _, produce in pieces[:2]:  # the loose parameters, then the first group
+            produce()
+        with open(filename, "wb") as f:
+            f.write(b"partial")
         raise OSError("disk full (simulated)")
 
-    ckpt.save_file = broken
+    ckpt.write_streamed = broken
+    error = None
     try:
         engine.save_checkpoint(path)
-    except OSError:
-        pass
+    except OSError as err:
+        error = str(err)
     finally:
-        ckpt.save_file = real
+        ckpt.write_streamed = real
     dist.barrier()
-    fresh = _engine(2)
+    fresh = _engine(2, stage=2)
     fresh.load_checkpoint(path)
-    return {"first": first, "loaded": fresh.full_state_dict(), "steps": fresh.global_steps}
+    left = sorted(p.name for p in Path(path).parent.iterdir())
+    return {"first": first, "loaded": fresh.full_state_dict(), "steps": fresh.global_steps,
+            "error": error, "left": left}  # fmt: skip
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    r = run_distributed(_save_twice_second_fails, 2, args=(str(tmp_path / "ckpt"),))[0]
-    assert r["steps"] == 1
+    """PP 2 x DP 2 under ZeRO-2: a stage's first replica fails to write its file after the first
+    group; its replica, which all-gathers the state shards with it, is not left waiting, every
+    rank raises, the partial save is removed and the previous checkpoint loads as it was."""
+    results = run_distributed(_save_twice_second_fails, 4, args=(str(tmp_path / "ckpt"),))
+    for r in results:
+        assert r["error"] is not None and "saving" in r["error"], r["error"]
+    r = results[0]
+    assert "disk full (simulated)" in r["error"], r["error"]
+    assert r["steps"] == 1 and r["left"] == ["ckpt"], r["left"]
     assert all(torch.equal(r["first"][n], r["loaded"][n]) for n in r["first"])
+
+
+def _load_error(engine, path: str) -> str:
+    """What loading ``path`` into ``engine`` raised, or "accepted"."""
+    try:
+        engine.load_checkpoint(path)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def _load(path: str) -> str:
+    return _load_error(_engine(2), path)
+
+
+def test_a_changed_byte_in_a_stage_file_is_refused(tmp_path):
+    """Every tensor of a stage file carries CRC-32s: one byte changed in the data is found on
+    load, on every rank, before anything is resumed."""
+    path = tmp_path / "ckpt"
+    run_distributed(_save_then_continue, 2, args=(str(path), 2, 1))
+    assert run_distributed(_load, 2, args=(str(path),)) == ["accepted"] * 2
+    stage = path / "stage_pp01_tp00.safetensors"
+    data = bytearray(stage.read_bytes())
+    data[-5] ^= 0x01
+    stage.write_bytes(bytes(data))
+    msgs = run_distributed(_load, 2, args=(str(path),))
+    assert "checksum mismatch" in msgs[1] and "stage_pp01_tp00" in msgs[1], msgs
+    assert "failed to load on another rank" in msgs[0], msgs
 
 
 def test_missing_and_mismatched_checkpoints_are_refused_clearly(tmp_path):
@@ -151,11 +195,7 @@ def _tp_mismatch(path: str) -> str:
     engine = hf_zero.initialize(
         model, torch.optim.AdamW(model.parameters()), pp_size=2, tp_size=2, pp_microbatches=2
     )
-    try:
-        engine.load_checkpoint(path)
-    except ValueError as err:
-        return str(err)
-    return "accepted"
+    return _load_error(engine, path)
 
 
 def test_eval_loss_matches_the_model_after_loading(tmp_path):
