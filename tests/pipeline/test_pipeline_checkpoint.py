@@ -166,19 +166,38 @@ def _load(path: str) -> str:
     return _load_error(_engine(2), path)
 
 
-def test_a_changed_byte_in_a_stage_file_is_refused(tmp_path):
-    """Every tensor of a stage file carries CRC-32s: one byte changed in the data is found on
-    load, on every rank, before anything is resumed."""
+def _save_with_nan(path: str) -> None:
+    """A checkpoint whose bytes are intact but whose values are not: a NaN in a parameter."""
+    engine = _engine(2)
+    _steps(engine, 0, 1)
+    with torch.no_grad():
+        engine.stage_parameters()[0].view(-1)[0] = float("nan")
+    engine.save_checkpoint(path)
+
+
+def test_a_changed_byte_a_cut_file_or_a_nan_in_a_stage_file_is_refused(tmp_path):
+    """Every tensor of a stage file carries CRC-32s: one byte changed in the data, or a file cut
+    short, is found on load, on every rank, before anything is resumed; so is a NaN that a
+    run saved."""
     path = tmp_path / "ckpt"
     run_distributed(_save_then_continue, 2, args=(str(path), 2, 1))
     assert run_distributed(_load, 2, args=(str(path),)) == ["accepted"] * 2
     stage = path / "stage_pp01_tp00.safetensors"
-    data = bytearray(stage.read_bytes())
-    data[-5] ^= 0x01
-    stage.write_bytes(bytes(data))
+    data = stage.read_bytes()
+    changed = bytearray(data)
+    changed[-5] ^= 0x01
+    stage.write_bytes(bytes(changed))
     msgs = run_distributed(_load, 2, args=(str(path),))
     assert "checksum mismatch" in msgs[1] and "stage_pp01_tp00" in msgs[1], msgs
     assert "failed to load on another rank" in msgs[0], msgs
+    stage.write_bytes(data[:-64])
+    msgs = run_distributed(_load, 2, args=(str(path),))
+    assert "is truncated" in msgs[1] and "failed to load on another rank" in msgs[0], msgs
+    nan = tmp_path / "nan"
+    run_distributed(_save_with_nan, 2, args=(str(nan),))
+    msgs = run_distributed(_load, 2, args=(str(nan),))
+    assert all("holds NaN/Inf" in m or "another rank" in m for m in msgs), msgs
+    assert any("holds NaN/Inf" in m for m in msgs), msgs
 
 
 def test_missing_and_mismatched_checkpoints_are_refused_clearly(tmp_path):
