@@ -313,11 +313,19 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
         f"{stage.layers} layers) x {args.dp} data-parallel x {args.tp} tensor-parallel ranks, "
         f"{args.precision}, Adam, {m} micro-batches of {args.micro_batch} x {args.seq_len}"
     )
-    print(f"{'stage':>5} {'device GiB (largest pipeline stage)':>36}")
+    print(
+        f"{'stage':>5} {'device GiB (largest pipeline stage)':>36} "
+        f"{'with offload_optimizer cpu: device':>35} {'host GiB':>9}"
+    )
     for zero in (0, 1, 2):
         states = estimate(stage, args.dp, zero, args.precision, tp_size=args.tp,
                           gradient_accumulation_steps=m)  # fmt: skip
-        print(f"{zero:>5} {states['total'] / gib:>36.2f}")
+        offload = ("-", "-")  # offload needs a sharded optimizer (stage 1 or 2)
+        if zero:
+            moved = estimate(stage, args.dp, zero, args.precision, offload=True, tp_size=args.tp,
+                             gradient_accumulation_steps=m)  # fmt: skip
+            offload = (f"{moved['total'] / gib:.2f}", f"{moved['host_total'] / gib:.2f}")
+        print(f"{zero:>5} {states['total'] / gib:>36.2f} {offload[0]:>35} {offload[1]:>9}")
     per_mb = activation_bytes(stage, args.seq_len, args.micro_batch, args.precision, False, args.tp)
     print(f"{'schedule':>17} {'in flight':>9} {'activations GiB':>16} {'bubble':>7}")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
@@ -328,9 +336,9 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
         )
     print(
         "First stage (the most micro-batches in flight), no activation checkpointing; the "
-        "head counted as large as the embedding (its own weight or a tied copy); ZeRO-3 and "
-        "offload do not combine with pipeline stages. Bubble: (p-1)/(m+p-1), interleaved "
-        "(p-1)/(2m+p-1)."
+        "head counted as large as the embedding (its own weight or a tied copy); ZeRO-3 (and "
+        "so parameter or NVMe offload) does not combine with pipeline stages. Bubble: "
+        "(p-1)/(m+p-1), interleaved (p-1)/(2m+p-1)."
     )
     return 0
 

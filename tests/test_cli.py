@@ -139,6 +139,11 @@ def test_estimate_pipeline_stages(capsys):
     assert float(rows["gpipe"][1]) == 2 * float(rows["1f1b"][1])
     assert rows["1f1b"][2] == f"{3 / 11:.1%}" and rows["interleaved_1f1b"][2] == f"{3 / 19:.1%}"
     assert float(rows["1"][0]) < float(rows["0"][0])  # ZeRO-1 shards the stage's Adam state
+    # offload_optimizer cpu: the master shard and Adam state leave the device for the host
+    assert rows["0"][1:] == ["-", "-"]
+    for zero in ("1", "2"):
+        device, offloaded, host = (float(x) for x in rows[zero])
+        assert offloaded < device and host >= device - offloaded - 0.01, rows[zero]
     assert main(["estimate", "--params", "7e9", "--pp", "2"]) == 2
     assert "--pp needs the model's layers" in capsys.readouterr().err
 
