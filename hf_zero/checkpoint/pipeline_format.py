@@ -71,7 +71,6 @@ class StageFiles:
 
     def __init__(self, directory: Path, meta: dict, tp_rank: int) -> None:
         suffix = f"_tp{tp_rank:02d}.safetensors"
-        self.directory = directory
         self.checksummed = meta.get("format_version", 1) >= 2
         self.where = {
             name: directory / file
