@@ -20,7 +20,6 @@ from the model's own weights.
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,7 @@ from hf_zero.checkpoint.format import FORMAT_VERSION, META, ShardReader, read_me
 from hf_zero.checkpoint.publish import make_shared_tmp, publish, run_id
 from hf_zero.comm.topology import current_device
 from hf_zero.engine.save_failure import agree_on_failure
-from hf_zero.storage.safetensors import Piece, write_streamed
+from hf_zero.storage.safetensors import Piece, pieces_nbytes, write_streamed
 
 if TYPE_CHECKING:
     from hf_zero.engine.state_view import EngineState
@@ -57,16 +56,10 @@ def save_checkpoint(
         _write_safetensors(pieces, tmp / shard_file(topo.dp_rank, topo.tp_rank, topo.tp_size))
     except (OSError, RuntimeError) as error:
         failure = error
-    agree_on_failure(engine, failure, _piece_bytes(pieces), directory, tmp)
+    agree_on_failure(engine, failure, pieces_nbytes(pieces), directory, tmp)
     if topo.rank == 0:
         publish(tmp, directory, META, _meta(engine), keep_last)
     _barrier(engine)
-
-
-def _piece_bytes(pieces: list[Piece]) -> int:
-    return sum(
-        math.prod(shape) * dtype.itemsize for spec, _ in pieces for dtype, shape in spec.values()
-    )
 
 
 def _barrier(engine: EngineState) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ from hf_zero.checkpoint.pipeline_format import (
 )
 from hf_zero.checkpoint.publish import make_shared_tmp, publish, run_id
 from hf_zero.engine.save_failure import agree_on_failure
-from hf_zero.storage.safetensors import Piece, write_streamed
+from hf_zero.storage.safetensors import Piece, pieces_nbytes, write_streamed
 
 if TYPE_CHECKING:
     from hf_zero.engine.pipeline_engine import PipelineEngine
@@ -49,8 +48,8 @@ def save_checkpoint(engine: PipelineEngine, directory: str | Path, keep_last: in
     pieces = _stage_pieces(engine, names)
     path = tmp / stage_file(topo.pp_rank, topo.tp_rank)
     failure = _write(pieces, path, writer=topo.dp_rank == 0)
-    nbytes = sum(math.prod(s) * d.itemsize for spec, _ in pieces for d, s in spec.values())
-    agree_on_failure(engine, failure, nbytes if topo.dp_rank == 0 else 0, directory, tmp)
+    nbytes = pieces_nbytes(pieces) if topo.dp_rank == 0 else 0
+    agree_on_failure(engine, failure, nbytes, directory, tmp)
     saved = sorted(n.split("/", 1)[1] for spec, _ in pieces for n in spec if n.startswith("param/"))
     listing = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((stage_file(topo.pp_rank, topo.tp_rank), saved), listing, dst=0)

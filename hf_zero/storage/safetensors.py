@@ -52,6 +52,14 @@ CHECKSUMS = True
 """Write checksums (switched off only by ``benchmarks/bench_checkpoint.py`` to measure them)."""
 
 
+def pieces_nbytes(pieces: list[Piece]) -> int:
+    """The bytes of tensor data ``pieces`` hold (what writing them needs on disk, headers
+    aside), from their specs alone."""
+    return sum(
+        math.prod(shape) * dtype.itemsize for spec, _ in pieces for dtype, shape in spec.values()
+    )
+
+
 def write_streamed(
     pieces: list[Piece], path: str | os.PathLike, metadata: dict[str, str] | None = None
 ) -> None:
