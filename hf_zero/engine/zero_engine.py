@@ -300,7 +300,7 @@ class ZeroEngine(Engine):
         self._last_step_micro = self.reducer.micro_steps
         stepped = self.optimizer.step(self.config.gradient_clipping, clipped=self._clipped)
         for group in self.frozen_groups:
-            group.drop_secondary()  # trainable groups dropped theirs when they were updated
+            group.release_secondary()  # trainable groups dropped theirs when they were updated
         self.last_step_skipped = not stepped
         if stepped:
             self.global_steps += 1

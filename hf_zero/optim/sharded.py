@@ -284,7 +284,7 @@ class ShardedOptimizer:
             if work is not None:
                 work.wait()
         for group in self.groups:
-            group.drop_staged()
+            group.release_staged()
         return True
 
     def end_step(self) -> None:

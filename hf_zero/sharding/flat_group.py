@@ -51,10 +51,12 @@ The group is the *when*; small objects chosen once, at construction, hold the *h
 
 One word per event of a group's life: ``gather`` / ``release`` (stage 3: the full parameters
 assembled from the shards, and dropped again; ``prefetch_shard`` reads an NVMe shard ahead of
-its gather); ``launch_reduce`` / ``wait_reduce`` / ``finish_reduce`` (a gradient reduction
-started, waited for, handed to the master weights; ``land_reduction`` copies an offloaded one
-out early); ``refresh_params`` (after the step, the parameters follow the stepped master
-weights); ``broadcast_from`` (a rank's edit of the gathered parameters becomes everyone's).
+its gather; ``release_secondary`` drops hpZ's secondary shard, ``release_staged`` the device
+copy of an offloaded update once gathered); ``launch_reduce`` / ``wait_reduce`` /
+``land_reduce`` / ``finish_reduce`` (a gradient reduction started, waited for, copied out to an
+offloaded master's storage, handed to the master weights); ``refresh_params`` (after the step,
+the parameters follow the stepped master weights); ``broadcast_from`` (a rank's edit of the
+gathered parameters becomes everyone's).
 """
 
 from __future__ import annotations
@@ -261,12 +263,12 @@ class FlatParamGroup:
             codec.finish(self.flat_param, work)
         self._point_params_at(self.flat_param)
 
-    def drop_secondary(self) -> None:
-        """hpZ: forget the secondary shard (the parameters changed, e.g. an optimizer step).
+    def release_secondary(self) -> None:
+        """hpZ: release the secondary shard (the parameters changed, e.g. an optimizer step).
 
         A MixZ++ group keeps its own: frozen quantized weights never change.
         """
-        self.gather_codec.forget()
+        self.gather_codec.release()
 
     def release(self) -> None:
         """Free the full parameters; only this rank's shard stays (stage 3; stages 0-2 keep
@@ -327,7 +329,7 @@ class FlatParamGroup:
         """Wait for the launched reduction; `finish_reduce` still hands its result over."""
         self.reduce_codec.wait()
 
-    def land_reduction(self) -> None:
+    def land_reduce(self) -> None:
         """Offloaded optimizer: copy the finished reduction out now rather than at the end of
         backward (only then does every rank know whether any had a gradient: `finish_reduce`
         commits it). A no-op for other groups."""
@@ -358,7 +360,7 @@ class FlatParamGroup:
         """Bring the parameters up to date with the stepped master weights; a collective's
         work handle, or None."""
         self.release()  # stage 3: a copy gathered before the step would be stale
-        self.drop_secondary()
+        self.release_secondary()
         update = self.master_weights.updated(self.placement)
         if update is None:
             return None  # the step changed the parameters themselves, or nothing
@@ -373,15 +375,15 @@ class FlatParamGroup:
         """While gathered: broadcast the full parameters from global rank ``src`` and make the
         shard and fp32 master weights follow, so the change survives the next step."""
         self.comm.broadcast(self.flat_param, src, self.shard_group)
-        self.gather_codec.forget(permanent_too=True)
+        self.gather_codec.release(permanent_too=True)
         start, end = self.layout.shard_range(self.shard_index)
         self.placement.write_shard(self.flat_param[start:end])
         if self.master_weights is not None:
             self.master_weights.set_values(self.flat_param[start:end].float())
 
-    def drop_staged(self) -> None:
+    def release_staged(self) -> None:
         """Offload: free the device copy of the updated shard once it has been gathered."""
-        self.placement.drop_staged()
+        self.placement.release_staged()
 
     def zero_grad(self) -> None:
         if self.grads is not None:

@@ -54,7 +54,7 @@ class Placement:
     def staged_bytes(self) -> int:
         return 0
 
-    def drop_staged(self) -> None:
+    def release_staged(self) -> None:
         """Free the tiles' device buffer once the parameters have them."""
 
 
@@ -105,7 +105,7 @@ class ReplicatedParams(Placement):
         staged = self._staged
         return 0 if staged is None else staged.numel() * staged.element_size()
 
-    def drop_staged(self) -> None:
+    def release_staged(self) -> None:
         self._staged = None
 
 

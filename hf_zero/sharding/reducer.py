@@ -49,7 +49,7 @@ class GradientReducer:
         # backward and (dtype, device), sized here once.
         sliced = [g for g in groups if stage >= 2 and g.reduce_codec.takes_output]
         # Groups whose master writes each reduced shard out as soon as its reduction is waited
-        # for (NVMe: `FlatParamGroup.land_reduction`) take no slab: nothing is kept to the end.
+        # for (NVMe: `FlatParamGroup.land_reduce`) take no slab: nothing is kept to the end.
         early = [g for g in sliced if g.master_weights.lands_early]
         sliced = [g for g in sliced if not g.master_weights.lands_early]
         self._bounded = {id(g) for g in sliced + early}
@@ -139,7 +139,7 @@ class GradientReducer:
         ):
             oldest = self._inflight.pop(0)
             oldest.wait_reduce()
-            oldest.land_reduction()
+            oldest.land_reduce()
 
     def reduce_accumulated(self) -> None:
         """Reduce the gradients accumulated in the parameters' ``.grad`` since the last step,

@@ -123,7 +123,7 @@ class SwappedGrads:
         """Average the landed copy, add it to an earlier micro-batch's, note its norm, write."""
         if self._host is None:
             return
-        # The copy landed in an aligned swap buffer (`FlatParamGroup.land_reduction`): written as is.
+        # The copy landed in an aligned swap buffer (`FlatParamGroup.land_reduce`): written as is.
         buffer, self._host = landed_average(self._host, self.world), None
         owner = self.owner
         if "grad" not in owner.files:

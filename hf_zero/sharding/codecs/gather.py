@@ -19,7 +19,7 @@ class NoGather:
     def finish(self, out: torch.Tensor, work) -> None:
         """Nothing to keep."""
 
-    def forget(self, permanent_too: bool = False) -> None:
+    def release(self, permanent_too: bool = False) -> None:
         """Nothing kept."""
 
     def held_bytes(self) -> int:
@@ -42,7 +42,7 @@ class ExactGather:
     def finish(self, out: torch.Tensor, work) -> None:
         """After ``work.wait()``: nothing to keep."""
 
-    def forget(self, permanent_too: bool = False) -> None:
+    def release(self, permanent_too: bool = False) -> None:
         """The parameters changed: drop anything kept from earlier gathers."""
 
     def held_bytes(self) -> int:
@@ -102,7 +102,7 @@ class HpZGather:
             size = out.numel() // self.hpz.size
             self.secondary = out[self.index * size : (self.index + 1) * size].clone()
 
-    def forget(self, permanent_too: bool = False) -> None:
+    def release(self, permanent_too: bool = False) -> None:
         if permanent_too or not self.permanent:
             self.secondary = None
 
