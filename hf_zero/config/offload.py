@@ -77,5 +77,6 @@ def check_storage_dtypes(config) -> None:
         if config.pp_size > 1:
             raise NotImplementedError(
                 f"hf_zero: '{key}' = 'bf16' with 'pp_size' = {config.pp_size} is not "
-                "implemented: pipeline stages train in fp32 (16-bit storage needs a bf16 run)"
+                "implemented: pipeline stages keep fp32 master weights and optimizer state "
+                "(their bf16 runs step fp32 masters); set it back to 'fp32'"
             )

@@ -118,12 +118,13 @@ def _saved_shape(shape: tuple, slot) -> tuple:
 def _group_tensors(
     engine: PipelineEngine, group: FlatParamGroup, names: dict[int, str]
 ) -> dict[str, torch.Tensor]:
-    """One group's parameters and optimizer state per parameter (collective over the stage's
-    replicas: the state's shards are all-gathered)."""
+    """One group's parameters (its fp32 master weights) and optimizer state per parameter
+    (collective over the stage's replicas: the shards are all-gathered)."""
     out = {}
-    for p in group.params:
+    master = group.full_master()  # fp32 whatever the training precision
+    for slot, p in zip(group.layout.slots, group.params):
         if id(p) in names:
-            out[f"param/{names[id(p)]}"] = p.detach().float().cpu()
+            out[f"param/{names[id(p)]}"] = master[slot.offset : slot.end].view(slot.shape).cpu()
     for key, value in sorted(engine.optimizer.state_of(group).items()):
         if not torch.is_tensor(value):
             continue
@@ -200,22 +201,31 @@ def load_checkpoint(engine: PipelineEngine, directory: str | Path) -> None:
     def name_of(p: torch.nn.Parameter) -> str:
         return embed_name if p is engine.tied_copy else names[id(p)]
 
+    def value_of(p: torch.nn.Parameter) -> torch.Tensor:
+        value = files.get(f"param/{name_of(p)}")
+        if value is None or tuple(value.shape) != tuple(p.shape):
+            found = None if value is None else tuple(value.shape)
+            raise ValueError(
+                f"hf_zero pipeline: checkpoint '{directory}' has no parameter "
+                f"'{name_of(p)}' of shape {tuple(p.shape)} (found {found}): it was "
+                f"saved from another model ({meta['model_class']})"
+            )
+        return value
+
     failure = None
     try:  # no collective until every rank has read and checked its part
         with torch.no_grad():
+            grouped = set()
+            for group in engine.groups:  # one group's fp32 values in memory at a time
+                values = [value_of(p) for p in group.params]
+                for p, value in zip(group.params, values):
+                    p.copy_(value)
+                    grouped.add(id(p))
+                states = [files.state(name_of(p)) for p in group.params]
+                _load_group(engine, group, values, states)
             for p in engine.stage_parameters():
-                value = files.get(f"param/{name_of(p)}")
-                if value is None or tuple(value.shape) != tuple(p.shape):
-                    found = None if value is None else tuple(value.shape)
-                    raise ValueError(
-                        f"hf_zero pipeline: checkpoint '{directory}' has no parameter "
-                        f"'{name_of(p)}' of shape {tuple(p.shape)} (found {found}): it was "
-                        f"saved from another model ({meta['model_class']})"
-                    )
-                p.copy_(value)
-            for group in engine.groups:
-                # Every replica loaded the whole parameters: the master shard is its region.
-                _load_group(engine, group, [files.state(name_of(p)) for p in group.params])
+                if id(p) not in grouped:
+                    p.copy_(value_of(p))
     except (ValueError, OSError) as error:
         failure = error
     failed = torch.tensor([failure is not None], dtype=torch.int32, device=engine.device)
@@ -234,9 +244,11 @@ def load_checkpoint(engine: PipelineEngine, directory: str | Path) -> None:
     engine.global_steps = meta["global_steps"]
 
 
-def _load_group(engine: PipelineEngine, group: FlatParamGroup, states: list[dict]) -> None:
-    """``group``'s master shard (the parameters just loaded) and its optimizer state shard,
-    laid out from the per-parameter ``states`` (a parameter without one gets zeros)."""
+def _load_group(
+    engine: PipelineEngine, group: FlatParamGroup, values: list[torch.Tensor], states: list[dict]
+) -> None:
+    """``group``'s master shard and its optimizer state shard, laid out from the saved
+    per-parameter fp32 ``values`` and ``states`` (a parameter without state gets zeros)."""
     start, end = group.layout.shard_range(group.shard_index)
     shard: dict[str, torch.Tensor] = {}
     for key in sorted(set().union(*states)):
@@ -248,5 +260,7 @@ def _load_group(engine: PipelineEngine, group: FlatParamGroup, states: list[dict
             if key in state:
                 whole[slot.offset : slot.end] = state[key].reshape(-1)
         shard[key] = whole[start:end].clone()
-    master = group.flat_param[start:end].float().clone()
-    engine.optimizer.load_state_of(group, master, shard)
+    whole = torch.zeros(group.layout.padded_numel, dtype=torch.float32)
+    for slot, value in zip(group.layout.slots, values):
+        whole[slot.offset : slot.end] = value.reshape(-1)
+    engine.optimizer.load_state_of(group, whole[start:end].clone(), shard)

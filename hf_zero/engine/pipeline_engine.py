@@ -17,6 +17,9 @@ The one difference is when gradients are reduced: the schedule runs each micro-b
 itself, so they accumulate whole in ``.grad`` and are reduced once after it
 (`GradientReducer.reduce_accumulated`); ZeRO-2 then frees them right after the reduce-scatter,
 which is what it saves here, as DeepSpeed's reason for refusing ZeRO-2 with pipelines says.
+In bf16 the stages compute in bf16, the micro-batches' gradients add up in the bf16 ``.grad``
+(as DDP accumulates in the parameters' dtype) and the step updates fp32 master weights, which
+checkpoints and saved models take their values from.
 """
 
 from __future__ import annotations
@@ -35,12 +38,11 @@ from torch.distributed.pipelining import (
 )
 
 from hf_zero.comm import ZeroPPSettings
-from hf_zero.config.checks import AUTO
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine.memory_report import held_memory
 from hf_zero.engine.start_up import start_up
 from hf_zero.engine.surface import Engine
-from hf_zero.numerics.precision import LossScaler
+from hf_zero.numerics.precision import DTYPES, LossScaler
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
 from hf_zero.pipeline.split import (
@@ -66,8 +68,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def check_supported(config: ZeroConfig) -> None:
-    """Refuse what pipeline stages do not combine with, before any process-group work (an
-    "auto" precision that nothing filled resolves to fp32)."""
+    """Refuse what pipeline stages do not combine with, before any process-group work."""
     if config.stage == 3:
         raise NotImplementedError(
             "hf_zero pipeline: 'stage' = 3 with 'pp_size' > 1 is not supported: ZeRO-3 gathers a "
@@ -82,14 +83,16 @@ def check_supported(config: ZeroConfig) -> None:
             "for pipeline stages yet (a step's phases interleave across micro-batches); profile "
             "the same model with 'pp_size' 1"
         )
-    if (
-        config.precision not in ("fp32", AUTO)
-        or config.quantized_weights
-        or config.quantized_gradients
-    ):
+    if config.precision == "fp16":
         raise NotImplementedError(
-            "hf_zero pipeline: pipeline stages run fp32 without ZeRO++ quantization for now "
-            f"(got precision {config.precision!r}); set 'precision': 'fp32'"
+            "hf_zero pipeline: 'precision' = 'fp16' is not implemented for pipeline stages yet "
+            "(its loss scale would have to reach each micro-batch's backward inside the "
+            "schedule); use 'precision': 'bf16' (or 'fp32')"
+        )
+    if config.quantized_gradients:  # qwZ and hpZ need stage 3, refused above
+        raise NotImplementedError(
+            "hf_zero pipeline: 'quantized_gradients' = True (ZeRO++ qgZ) is not implemented "
+            "for pipeline stages yet; set it to false"
         )
 
 
@@ -108,6 +111,9 @@ class PipelineEngine(Engine):
         self.topology = topo = start.topology
         self.comm, self.device, self.watchdog = start.comm, start.device, start.watchdog
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.dtype = DTYPES[config.precision]
+        self.loaded_dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        """Each parameter's dtype before training, by name: what a saved model holds."""
         with torch.no_grad():  # every replica starts from rank 0's weights, as DDP does
             for t in list(model.parameters()) + list(model.buffers()):
                 self.comm.broadcast(t.data, 0, topo.world)
@@ -185,7 +191,8 @@ class PipelineEngine(Engine):
             for p in params:
                 if id(p) in self._released:
                     shape = self._released.pop(id(p))[1]
-                    p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+                    dtype = self.dtype if p.is_floating_point() else p.dtype  # as trained
+                    p.data = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(p.data, owner, group=topo.pp.pg)
 
     def _adopt_tied_copy(self) -> torch.nn.Parameter | None:
@@ -209,13 +216,15 @@ class PipelineEngine(Engine):
             group["params"] = [p for p in group["params"] if id(p) in mine]
         builder = GroupBuilder(
             torch.nn.ModuleList(self.stages), config, topo, self.comm, ZeroPPSettings(),
-            torch.float32,  # pipelines train in fp32 (`check_supported`)
-            lambda p: self.tp is not None and self.tp.shard_of(p) is not None,
+            self.dtype, lambda p: self.tp is not None and self.tp.shard_of(p) is not None,
             # The first stage's embedding counts the tied weight's gradient; its copy does not.
             counted_in_norm=lambda p: p is not self.tied_copy,
         )  # fmt: skip
         self.groups = builder.build(optimizer)
         self._grouped, self.swaps = builder.grouped, builder.swaps
+        for p in self.stage_parameters():  # frozen ones compute in the training precision too
+            if id(p) not in self._grouped and p.is_floating_point() and p.dtype != self.dtype:
+                p.data = p.data.to(self.dtype)
         self.reducer = GradientReducer(
             self.groups, config.stage, 1, overlap_comm=True, control=topo.dp_control,
             comm=self.comm, max_inflight_numel=config.reduce_inflight_numel, hooks=False,
@@ -332,31 +341,43 @@ class PipelineEngine(Engine):
         return held_memory(self.groups, self.module, self._grouped, self.optimizer)
 
     # --- weights and checkpoints -----------------------------------------------------------
-    def stage_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters (TP slices) with their Hugging Face names, on CPU."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return {
-            names[id(p)]: p.detach().to("cpu", copy=True)
-            for p in self.stage_parameters()
-            if id(p) in names
-        }
+    def _stage_values(self, master_weights: bool) -> dict[int, torch.Tensor]:
+        """This rank's parameters' values (TP slices) by id, on the device; ``master_weights``:
+        trainable ones from their fp32 master weights (collective over the stage's replicas)."""
+        values = {id(p): p.detach() for p in self.stage_parameters()}
+        if master_weights:
+            for group in self.groups:
+                full = group.full_master()
+                for slot, p in zip(group.layout.slots, group.params):
+                    values[id(p)] = full[slot.offset : slot.end].view(slot.shape)
+        return values
 
     def saved_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a saved model holds: `full_state_dict` (pipeline stages train in fp32)."""
-        return self.full_state_dict()
+        """What a saved model holds (collective; ``{}`` off rank 0), as `ZeroEngine` saves it:
+        each parameter in its dtype before training, trainable ones from their fp32 master
+        weights; with ``save_16bit_model`` the parameters as trained."""
+        if self.config.save_16bit_model:
+            return self.full_state_dict()
+        full = self.full_state_dict(master_weights=True)
+        return {n: t.to(self.loaded_dtypes.get(n, t.dtype)) for n, t in full.items()}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, master_weights: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's parameters with their Hugging Face names on rank 0 (``{}``
-        elsewhere; collective)."""
-        mine = self.stage_state_dict()
+        elsewhere; collective), as trained or (``master_weights``) from the fp32 masters."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        values = self._stage_values(master_weights)
         if self.tp is not None:
-            names = {id(p): n for n, p in self.module.named_parameters()}
             for p in self.stage_parameters():
                 shard = self.tp.shard_of(p)
                 if shard is not None and id(p) in names:
-                    mine[names[id(p)]] = self.tp.gather_full(p.detach(), shard).cpu()
-        if self.topology.dp_rank != 0 or self.topology.tp_rank != 0:
-            mine = {}
+                    values[id(p)] = self.tp.gather_full(values[id(p)], shard)
+        mine = {}
+        if self.topology.dp_rank == 0 and self.topology.tp_rank == 0:
+            mine = {
+                names[id(p)]: values[id(p)].to("cpu", copy=True)
+                for p in self.stage_parameters()
+                if id(p) in names
+            }
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, parts, dst=0)
         if dist.get_rank() != 0:

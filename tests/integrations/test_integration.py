@@ -67,11 +67,11 @@ def _adapter_code(output_dir: Path) -> str:
     )
 
 
-def _saved_model_code(output_dir: Path) -> str:
-    """The full model saved in ``output_dir``."""
+def _saved_model_code(output_dir: Path, dtype: str = "auto") -> str:
+    """The full model saved in ``output_dir`` (loaded in ``dtype``)."""
     return (
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        f"model = AutoModelForCausalLM.from_pretrained(r'{output_dir}')\n"
+        f"model = AutoModelForCausalLM.from_pretrained(r'{output_dir}', dtype='{dtype}')\n"
         f"tokenizer = AutoTokenizer.from_pretrained(r'{output_dir}')"
     )
 
@@ -81,9 +81,10 @@ def _adapter_probe(output_dir: Path) -> torch.Tensor:
     return _reload_probe(_adapter_code(output_dir))
 
 
-def _saved_model_probe(output_dir: Path) -> torch.Tensor:
-    """Probe logits of the full model saved in ``output_dir``, loaded afresh (`_reload_probes`)."""
-    return _reload_probe(_saved_model_code(output_dir))
+def _saved_model_probe(output_dir: Path, dtype: str = "auto") -> torch.Tensor:
+    """Probe logits of the full model saved in ``output_dir``, loaded afresh in ``dtype``
+    (`_reload_probes`)."""
+    return _reload_probe(_saved_model_code(output_dir, dtype))
 
 
 def test_full_recipe_zero2_with_a_deepspeed_json(tmp_path):
@@ -168,11 +169,14 @@ def _run_then_resume(recipe: str, flags: list[str], tmp_path: Path) -> tuple[Pat
 
 
 def test_full_recipe_pipeline_stages_resume_exactly_and_consolidate(tmp_path):
-    """--pp_size 2 (ZeRO-2 inside, 2 micro-batches a step): the loss falls, the saved model
-    reproduces the trained logits in a fresh process, a resume from checkpoint-3 continues with
-    the same losses, and ``hf-zero consolidate`` of that checkpoint loads with from_pretrained."""
+    """--pp_size 2 in bf16 (ZeRO-2 inside, 2 micro-batches a step): the loss falls, the saved
+    model holds the fp32 master weights and, loaded in bf16 in a fresh process, reproduces the
+    trained model's logits (the run's bf16 parameters are those masters rounded); a resume from
+    checkpoint-3 continues with the same losses, and ``hf-zero consolidate`` of that
+    checkpoint equals the Trainer's own save."""
     flags = [
         "--pp_size", "2",
+        "--bf16", "true",
         "--zero_stage", "2",
         "--gradient_accumulation_steps", "2",
         "--per_device_train_batch_size", "4",
@@ -185,8 +189,10 @@ def test_full_recipe_pipeline_stages_resume_exactly_and_consolidate(tmp_path):
     assert (first / "checkpoint-3" / "zero" / "stage_pp01_tp00.safetensors").is_file()
     losses = _losses(first)
     assert losses[6] < losses[1]
-    fresh = _saved_model_probe(first)
-    torch.testing.assert_close(fresh, torch.load(first / "probe_logits.pt"), rtol=1e-5, atol=1e-5)
+    saved = load_file(str(first / "model.safetensors"))
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    fresh = _saved_model_probe(first, "bfloat16")
+    torch.testing.assert_close(fresh, torch.load(first / "probe_logits.pt"), rtol=0, atol=0)
     resumed = _losses(second)
     assert [resumed[s] for s in (4, 5, 6)] == [losses[s] for s in (4, 5, 6)]
     from hf_zero.cli import main as hf_zero_cli

@@ -51,8 +51,8 @@ def _steps(engine, first: int, count: int) -> list[float]:
     return losses
 
 
-def _save_then_continue(path: str, pp: int, stage: int) -> dict:
-    engine = _engine(pp, stage=stage)
+def _save_then_continue(path: str, pp: int, stage: int, **cfg) -> dict:
+    engine = _engine(pp, stage=stage, **cfg)
     _steps(engine, 0, 2)
     engine.save_checkpoint(path)
     after = _steps(engine, 2, 2)
@@ -89,6 +89,20 @@ def test_resume_same_layout_bit_exact_and_resharded_to_other_layouts(tmp_path):
     reference = run_distributed(_full_after_load, 2, args=(path,))[0]
     for name, value in written.items():
         assert torch.equal(value, reference[name]), name
+
+
+def test_bf16_stages_save_their_fp32_master_weights_and_resume_bit_exact(tmp_path):
+    """A bf16 run's checkpoint holds the fp32 master weights, not the bf16 parameters: the
+    resume continues bit for bit (rebuilding the masters from bf16 values would not)."""
+    path = str(tmp_path / "ckpt")
+    bf16 = {"precision": "bf16"}
+    saved = run_distributed(_save_then_continue, 2, args=(path, 2, 1), kwargs=bf16)[0]
+    same = run_distributed(_load_and_continue, 2, args=(path, 2, 1), kwargs=bf16)[0]
+    assert same["after"] == saved["after"]
+    written = load_file(str(Path(path) / "stage_pp00_tp00.safetensors"))
+    value = written["param/model.layers.0.self_attn.q_proj.weight"]
+    assert value.dtype == torch.float32
+    assert not torch.equal(value, value.bfloat16().float())  # not a bf16 value widened
 
 
 def _full_after_load(path: str) -> dict:
