@@ -171,6 +171,7 @@ def _meta(engine: PipelineEngine, files: dict[str, list[str]]) -> dict:
         "stage": config.stage,
         "pp_schedule": config.pp_schedule,
         "global_steps": engine.global_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
         "model_class": type(engine.module).__name__,
         "tied_embeddings": bool(engine.tied),
         "param_groups": groups,
@@ -242,6 +243,8 @@ def load_checkpoint(engine: PipelineEngine, directory: str | Path) -> None:
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     engine.global_steps = meta["global_steps"]
+    if "loss_scaler" in meta:  # not in checkpoints written before fp16 stages existed
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
 
 
 def _load_group(

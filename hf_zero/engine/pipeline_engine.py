@@ -17,9 +17,10 @@ The one difference is when gradients are reduced: the schedule runs each micro-b
 itself, so they accumulate whole in ``.grad`` and are reduced once after it
 (`GradientReducer.reduce_accumulated`); ZeRO-2 then frees them right after the reduce-scatter,
 which is what it saves here, as DeepSpeed's reason for refusing ZeRO-2 with pipelines says.
-In bf16 the stages compute in bf16, the micro-batches' gradients add up in the bf16 ``.grad``
-(as DDP accumulates in the parameters' dtype) and the step updates fp32 master weights, which
-checkpoints and saved models take their values from.
+In bf16 or fp16 the stages compute in 16 bits, the micro-batches' gradients add up in the
+16-bit ``.grad`` (as DDP accumulates in the parameters' dtype) and the step updates fp32 master
+weights, which checkpoints and saved models take their values from; fp16 scales the loss of
+each micro-batch inside the schedule (`_scaled_loss`) and skips a step that overflowed anywhere.
 """
 
 from __future__ import annotations
@@ -83,12 +84,6 @@ def check_supported(config: ZeroConfig) -> None:
             "for pipeline stages yet (a step's phases interleave across micro-batches); profile "
             "the same model with 'pp_size' 1"
         )
-    if config.precision == "fp16":
-        raise NotImplementedError(
-            "hf_zero pipeline: 'precision' = 'fp16' is not implemented for pipeline stages yet "
-            "(its loss scale would have to reach each micro-batch's backward inside the "
-            "schedule); use 'precision': 'bf16' (or 'fp32')"
-        )
     if config.quantized_gradients:  # qwZ and hpZ need stage 3, refused above
         raise NotImplementedError(
             "hf_zero pipeline: 'quantized_gradients' = True (ZeRO++ qgZ) is not implemented "
@@ -147,6 +142,9 @@ class PipelineEngine(Engine):
         self.tied = self.stages[0].tied
         self._build_step(optimizer)
         self.global_steps = 0
+        self.skipped_steps = 0
+        """Steps skipped because of fp16 overflow."""
+        self.last_step_skipped = False
         self.last_grad_norm: float | None = None
         self.grad_norm_post_clip: float | None = None
         if dist.get_rank() == 0:  # one start line, as the ZeRO engine prints
@@ -229,8 +227,9 @@ class PipelineEngine(Engine):
             self.groups, config.stage, 1, overlap_comm=True, control=topo.dp_control,
             comm=self.comm, max_inflight_numel=config.reduce_inflight_numel, hooks=False,
         )  # fmt: skip
+        self.loss_scaler = LossScaler.from_config(config)
         self.optimizer = ShardedOptimizer(
-            optimizer, self.groups, self.comm, topo.dp, LossScaler.from_config(config),
+            optimizer, self.groups, self.comm, topo.dp, self.loss_scaler,
             tp_group=topo.tp if self.tp is not None else None,
             fast_kernel=config.offload_optimizer_fast_kernel,
             buffer_count=config.offload_optimizer_buffer_count, pp_group=topo.pp,
@@ -253,14 +252,29 @@ class PipelineEngine(Engine):
                     sync_tied_grads(stage, self.topology.tied.pg)
         self.reducer.reduce_accumulated()
         self.clip_grad_norm_(self.config.gradient_clipping or float("inf"))
-        self.optimizer.step(clipped=True)
+        stepped = self.optimizer.step(clipped=True)
         for group in self.groups:
             group.zero_grad()
         self.optimizer.end_step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.global_steps += 1
+        self.last_step_skipped = not stepped
+        if stepped:
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
         return loss
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale now (1.0 without fp16)."""
+        return self.loss_scaler.scale
+
+    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: `lm_loss` times the loss scale now (fp16; else 1), so that each
+        micro-batch's backward inside the schedule starts from the scaled loss."""
+        loss = lm_loss(logits, labels)
+        return loss * self.loss_scaler.scale if self.loss_scaler.enabled else loss
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Nothing is reduced between `train_batch` calls: a loop's no-sync window is free."""
@@ -283,12 +297,12 @@ class PipelineEngine(Engine):
             ]
             count = shape[0]
             if len(pipes) > 1:
-                schedule = ScheduleInterleaved1F1B(pipes, count, loss_fn=lm_loss)
+                schedule = ScheduleInterleaved1F1B(pipes, count, loss_fn=self._scaled_loss)
             else:
                 # 1F1B needs at least one micro-batch per stage; a shorter window (the end of
                 # an epoch under the Trainer) runs GPipe, which computes the same step.
                 name = self.config.pp_schedule if count >= self.topology.pp_size else "gpipe"
-                schedule = SCHEDULES[name](pipes[0], count, loss_fn=lm_loss)
+                schedule = SCHEDULES[name](pipes[0], count, loss_fn=self._scaled_loss)
             self._schedules[shape] = schedule
         return self._schedules[shape]
 
@@ -313,7 +327,7 @@ class PipelineEngine(Engine):
             run(target=target, losses=losses)
         mean = torch.zeros(1, device=self.device)
         if self.last:
-            mean += torch.stack([x.detach().float() for x in losses]).mean()
+            mean += torch.stack([x.detach().float() for x in losses]).mean() / self.loss_scale
         topo = self.topology
         src = topo.rank_of(topo.pp_size - 1, topo.dp_rank, topo.tp_rank)
         dist.broadcast(mean, src, group=topo.pp.pg)

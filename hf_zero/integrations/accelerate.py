@@ -121,7 +121,8 @@ class PipelineAcceleratedOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        return False
+        """True when fp16 loss scaling skipped ``train_batch``'s step."""
+        return self.engine.last_step_skipped
 
 
 class ZeroAccelerator(Accelerator):

@@ -222,6 +222,8 @@ class ShardedOptimizer:
             self.comm.all_reduce_max(flag, self.dp_group)
             if self.tp_group is not None:
                 self.comm.all_reduce_max(flag, self.tp_group)
+            if self.pp_group is not None:  # every stage skips the step together
+                self.comm.all_reduce_max(flag, self.pp_group)
             self._overflow = bool(flag.item())
             if not self._overflow:
                 inv = 1.0 / self.loss_scaler.scale

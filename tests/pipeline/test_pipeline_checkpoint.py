@@ -105,6 +105,36 @@ def test_bf16_stages_save_their_fp32_master_weights_and_resume_bit_exact(tmp_pat
     assert not torch.equal(value, value.bfloat16().float())  # not a bf16 value widened
 
 
+FP16 = {"precision": "fp16", "initial_scale_power": 20, "hysteresis": 1}
+"""A dynamic loss scale that starts too high for this model: the first steps overflow."""
+
+
+def _fp16_save_then_continue(path: str) -> dict:
+    engine = _engine(2, stage=1, **FP16)
+    _steps(engine, 0, 6)
+    saved = (engine.loss_scale, engine.global_steps, engine.skipped_steps)
+    engine.save_checkpoint(path)
+    return {"saved": saved, "after": _steps(engine, 6, 2)}
+
+
+def _fp16_load_and_continue(path: str) -> dict:
+    engine = _engine(2, stage=1, **FP16)
+    engine.load_checkpoint(path)
+    return {"loaded": (engine.loss_scale, engine.global_steps), "after": _steps(engine, 6, 2)}
+
+
+def test_fp16_stages_resume_with_their_loss_scale_bit_exact(tmp_path):
+    """fp16 stages: the dynamic loss scale (lowered by the first steps' overflows) is saved and
+    restored with the step counter, and the resume continues bit for bit."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_fp16_save_then_continue, 2, args=(path,))[0]
+    scale, steps, skipped = saved["saved"]
+    assert scale < 2.0**20 and skipped > 0 and steps > 0, saved  # the case is exercised
+    loaded = run_distributed(_fp16_load_and_continue, 2, args=(path,))[0]
+    assert loaded["loaded"] == (scale, steps)
+    assert loaded["after"] == saved["after"]
+
+
 def _full_after_load(path: str) -> dict:
     engine = _engine(2, stage=1)
     engine.load_checkpoint(path)
