@@ -22,6 +22,7 @@ KIND_NAMES = {
     "logits": "logits (the head and its loss)",
     "secondary_params": "hpZ secondary shards",
     "quantized_params": "quantized frozen weights",
+    "pooled_params": "gather buffers kept for reuse",
     "host_params": "parameters (host)",
     "host_grads": "gradients (host)",
     "host_master_weights": "fp32 master weights (host)",

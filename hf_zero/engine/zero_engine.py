@@ -112,8 +112,9 @@ class ZeroEngine(Engine):
     def _build_groups(self, model: torch.nn.Module, optimizer) -> None:
         """The flat groups (buckets, or stage-3 units) and their swap spaces."""
         builder = GroupBuilder(
-            model, self.config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split
-        )
+            model, self.config, self.topology, self.comm, self.zeropp, self.dtype, self._tp_split,
+            pool=self.host_memory.pool,
+        )  # fmt: skip
         self.groups = builder.build(optimizer)
         self.units, self.frozen_groups = builder.units, builder.frozen_groups
         self._grouped = builder.grouped
@@ -384,10 +385,17 @@ class ZeroEngine(Engine):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    def close(self) -> None:
+        """`Engine.close`, and the gather buffers kept for reuse are freed."""
+        super().close()
+        self.host_memory.pool.clear()
+
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: params, grads, master_weights, optimizer_states,
         secondary_params (ZeRO++ hpZ: ``1/hpz`` of each parameter gathered since the last
-        step) and quantized_params (MixZ++: the INT8 shards and scales of frozen weights).
+        step), quantized_params (MixZ++: the INT8 shards and scales of frozen weights) and
+        pooled_params (stage 3 on CPU with ``host_memory: unmap``: released gather buffers kept
+        for the next gather of their size, `hf_zero.storage.buffer_pool`).
 
         Counts the tensors themselves (flat buffers, shards, optimizer state), not allocator
         caches, so the figures can be checked against the ZeRO formulas. ``host_grads``,
@@ -397,8 +405,9 @@ class ZeroEngine(Engine):
         ``total`` sums the device kinds, ``host_total`` the host ones, ``nvme_total`` the disk.
         """
         return held_memory(
-            self.groups + self.frozen_groups, self.module, self._grouped, self.optimizer
-        )
+            self.groups + self.frozen_groups, self.module, self._grouped, self.optimizer,
+            self.host_memory.pool,
+        )  # fmt: skip
 
     def full_state_dict(
         self, rank0_only: bool = True, master_weights: bool = False

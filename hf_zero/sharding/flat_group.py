@@ -111,6 +111,7 @@ class FlatParamGroup:
         self.trainable = param_group_index is not None
         self.params, self.names, self.stage = params, names, stage
         self.dtype, self.reduce_dtype, self.comm = dtype, reduce_dtype, comm
+        self.pool = spec.pool
         # Stage 0 does not partition the optimizer: one "shard" covering the whole buffer.
         self.shard_group = shard_group
         self.comm_rank = rank
@@ -236,7 +237,7 @@ class FlatParamGroup:
         """
         if self.flat_param is not None:
             return
-        self.flat_param = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.flat_param = self.pool.take(self.numel, self.dtype, self.device)
         codec = self.exact_gather if exact else self.gather_codec
         self._gathering_with = codec
         self._gather_work = codec.launch(self.flat_param, self.tier, async_op)
@@ -278,8 +279,9 @@ class FlatParamGroup:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = self._gathering_with = None
-        self.flat_param = None
+        buffer, self.flat_param = self.flat_param, None
         self._release_views()
+        self.pool.give(buffer)  # kept for the next gather of this size, if nothing shares it
 
     def _point_params_at(self, flat: torch.Tensor) -> None:
         if self.packed is not None:

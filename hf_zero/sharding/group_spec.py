@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_zero.comm import ZeroPPSettings
+from hf_zero.storage.buffer_pool import NoPool
 
 if TYPE_CHECKING:
     from hf_zero.comm import Collectives
@@ -47,6 +48,9 @@ class GroupSpec:
     """The 16-bit parameters are the master (`hf_zero.sharding.master.CompactMaster`)."""
     state_dtype: torch.dtype | None = None
     """Elementwise optimizer state kept in this dtype (None: the optimizer's own)."""
+    pool: NoPool = field(default_factory=NoPool)
+    """Stage 3: where gathers take their full buffer and releases give it back
+    (`hf_zero.storage.buffer_pool`)."""
 
     def __post_init__(self) -> None:
         if (self.offload_optimizer == "nvme") != (self.optimizer_swap is not None):

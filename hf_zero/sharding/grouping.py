@@ -27,6 +27,7 @@ from hf_zero.sharding.stage3.partitioned_init import unshard
 from hf_zero.sharding.stage3.partitioned_load import slice_of, unshard_params
 from hf_zero.sharding.stage3.units import Unit, assign_params_to_units, find_units, true_numel
 from hf_zero.sharding.tiers import NvmeParams
+from hf_zero.storage.buffer_pool import NoPool
 from hf_zero.storage.host_budget import HostBudget
 from hf_zero.storage.swap import SwapSpace, check_nvme_path, open_space
 
@@ -120,8 +121,11 @@ class GroupBuilder:
         dtype: torch.dtype,
         tp_split: Callable[[torch.Tensor], bool],
         counted_in_norm: Callable[[torch.Tensor], bool] = lambda p: True,
+        pool: NoPool | None = None,
     ) -> None:
         self.module, self.config, self.topology, self.comm = module, config, topology, comm
+        self.pool = pool or NoPool()
+        """Where stage-3 gathers take their buffers (`hf_zero.storage.buffer_pool`)."""
         self.zeropp, self.dtype, self.tp_split = zeropp, dtype, tp_split
         self.counted_in_norm = counted_in_norm
         """Whether a parameter's gradient counts in the global norm (its bucket's key)."""
@@ -175,6 +179,7 @@ class GroupBuilder:
             param_swap=self.nvme_params,
             compact_master=self.config.master_weights_dtype == "bf16",
             state_dtype=torch.bfloat16 if self.config.optimizer_states_dtype == "bf16" else None,
+            pool=self.pool,
         )
 
         def spec_for(pg_index: int | None, numel: int, stage: int) -> GroupSpec:

@@ -24,6 +24,8 @@ import ctypes
 import ctypes.util
 import functools
 
+from hf_zero.storage.buffer_pool import BufferPool, NoPool
+
 
 @functools.cache
 def _malloc_trim():
@@ -96,6 +98,10 @@ class HostMemoryPolicy:
         self.reuse = on_cpu and setting == "reuse"
         self.unmap = on_cpu and not self.reuse and (memory_first or setting == "unmap")
         self.trim_after_step = on_cpu and stage >= 2 and not self.reuse
+        self.pool = BufferPool() if self.unmap else NoPool()
+        """Stage 3's gathered buffers: kept for the next gather where frees are unmapped (each
+        new buffer would fault all its pages in), else allocated and freed
+        (`hf_zero.storage.buffer_pool`)."""
 
     def start(self) -> None:
         """Before the build: the allocator's settings for the whole run."""
