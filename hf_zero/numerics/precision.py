@@ -86,6 +86,10 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume the policy's state; a scaler that does not scale (a bf16 or fp32 run) stays
+        at 1, whatever run wrote the checkpoint."""
+        if not self.enabled:
+            return
         self.scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
         self._hysteresis_left = int(state["hysteresis_left"])

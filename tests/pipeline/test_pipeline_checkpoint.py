@@ -117,8 +117,8 @@ def _fp16_save_then_continue(path: str) -> dict:
     return {"saved": saved, "after": _steps(engine, 6, 2)}
 
 
-def _fp16_load_and_continue(path: str) -> dict:
-    engine = _engine(2, stage=1, **FP16)
+def _fp16_load_and_continue(path: str, precision: str = "fp16") -> dict:
+    engine = _engine(2, stage=1, **{**FP16, "precision": precision})
     engine.load_checkpoint(path)
     return {"loaded": (engine.loss_scale, engine.global_steps), "after": _steps(engine, 6, 2)}
 
@@ -133,6 +133,9 @@ def test_fp16_stages_resume_with_their_loss_scale_bit_exact(tmp_path):
     loaded = run_distributed(_fp16_load_and_continue, 2, args=(path,))[0]
     assert loaded["loaded"] == (scale, steps)
     assert loaded["after"] == saved["after"]
+    # Resumed in bf16, the run does not scale its loss, whatever the fp16 run had reached.
+    bf16 = run_distributed(_fp16_load_and_continue, 2, args=(path, "bf16"))[0]
+    assert bf16["loaded"] == (1.0, steps)
 
 
 def _full_after_load(path: str) -> dict:
