@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_zero.config.checks import AUTO
 from hf_zero.config.settings import SETTINGS
 from hf_zero.config.zero_config import ZeroConfig, check_keys, read_mapping, values_of
 
@@ -28,6 +29,7 @@ def resolve_sources(
     config_file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     flag_names: Mapping[str, str] | None = None,
+    precision_from_run: bool = False,
 ) -> ZeroConfig:
     """Merge settings with precedence command line > ``config_file`` > ``$HF_ZERO_CONFIG``.
 
@@ -35,7 +37,9 @@ def resolve_sources(
     the flag it was given as (for messages; default: the canonical flags). A command-line value that
     contradicts a value the ``--zero_config`` file sets explicitly raises ``ValueError`` naming
     both; a file that overrides ``$HF_ZERO_CONFIG`` only warns. All checks run before any
-    process-group work.
+    process-group work. ``precision_from_run``: a precision no source sets is ``"auto"``, to be
+    filled from the run's own flags (the Trainer's ``--bf16``), so that keys which need a 16-bit
+    run are not checked against the fp32 default before those flags are read.
     """
     env = os.environ if env is None else env
     flag_names = flag_names or {s.key: s.flag for s in SETTINGS}
@@ -59,4 +63,7 @@ def resolve_sources(
         warnings.warn(
             f"hf_zero: {config_file} overrides {ENV_VAR}={env_file} for {overridden}", stacklevel=2
         )
-    return ZeroConfig(**{**from_env, **from_file, **given})
+    merged = {**from_env, **from_file, **given}
+    if precision_from_run and merged.get("precision") is None:
+        merged["precision"] = AUTO
+    return ZeroConfig(**merged)

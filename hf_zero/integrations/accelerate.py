@@ -144,7 +144,7 @@ class ZeroAccelerator(Accelerator):
             from hf_zero.config.sources import resolve_sources
             from hf_zero.integrations.active_settings import active_sources
 
-            zero_plugin = ZeroPlugin(resolve_sources(*active_sources()))
+            zero_plugin = ZeroPlugin(resolve_sources(*active_sources(), precision_from_run=True))
         ZeroAccelerator.instances_created += 1
         precision = kwargs.pop("mixed_precision", None) or os.environ.get(
             "ACCELERATE_MIXED_PRECISION"

@@ -21,7 +21,7 @@ def activate(values: dict[str, Any] | None = None, config_file: str | None = Non
 
     # Bad settings fail before the script runs, including those that depend on the number of
     # processes the launcher started, and swap folders that cannot be written.
-    config = resolve_sources(values or {}, config_file)
+    config = resolve_sources(values or {}, config_file, precision_from_run=True)
     config.check_world(launched_world_size())
     problem = nvme_path_problem(config)
     if problem:

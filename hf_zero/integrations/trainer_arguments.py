@@ -115,9 +115,9 @@ def zero_config_for(
     clipping or precision (as the DeepSpeed integration does).
     """
     flag_names = {**{s.key: s.flag for s in SETTINGS}, **(given_as or {})}
-    config = resolve_sources(cli or {}, zero_config, flag_names=flag_names)
     env_file = os.environ.get(ENV_VAR) or None
     explicit = {**explicit_values(env_file), **explicit_values(zero_config)}
+    config = resolve_sources(cli or {}, zero_config, flag_names=flag_names, precision_from_run=True)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if "comm_timeout" not in explicit and (cli or {}).get("comm_timeout") is None:
         config.comm_timeout = args.ddp_timeout  # one timeout for every group of the run

@@ -108,13 +108,16 @@ def plain_ddp(tmp_path_factory) -> Path:
 def test_bf16_on_cpu_needs_no_use_cpu_under_hf_zero_run(tmp_path):
     """TRL's configs default to bf16; transformers refuses --bf16 without a GPU unless --use_cpu
     is typed. Under hf_zero.run neither the TRL default nor a plain --bf16 needs it, and the
-    saved model has the dtype plain DDP saves (fp32 master weights, not bf16)."""
+    saved model has the dtype plain DDP saves (fp32 master weights, not bf16). Flags that need a
+    bf16 run (bf16 master weights and Adam state) take it from either, though hf_zero.run checks
+    its flags before the script has parsed its own."""
     trl = [a for a in TRL_ARGS if a not in ("--bf16", "false")]  # TRL's own default: bf16
+    storage = ["--zero_master_weights_dtype", "bf16", "--zero_optimizer_states_dtype", "bf16"]
     for variant in ([], trl):
         out = tmp_path / f"out{len(variant)}"
         bf16 = [] if variant else ["--bf16"]
         args = ["-m", "hf_zero.run", SCRIPT, *variant, *bf16, "--output_dir", str(out)]
-        done = launch([*args, *TRAIN_ARGS, "--zero_stage", "2"])
+        done = launch([*args, *TRAIN_ARGS, "--zero_stage", "2", *(storage if variant else [])])
         assert "hf_zero: stage 2 over 2 data-parallel ranks, bf16" in done.stderr, done.stderr
     # Saved as the same script saves under plain DDP (autocast over fp32 weights): fp32.
     ddp = tmp_path / "ddp"
