@@ -313,9 +313,11 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
         f"{stage.layers} layers) x {args.dp} data-parallel x {args.tp} tensor-parallel ranks, "
         f"{args.precision}, Adam, {m} micro-batches of {args.micro_batch} x {args.seq_len}"
     )
+    compact = args.precision == "bf16"  # bf16 runs may keep master weights and Adam in bf16
     print(
         f"{'stage':>5} {'device GiB (largest pipeline stage)':>36} "
         f"{'with offload_optimizer cpu: device':>35} {'host GiB':>9}"
+        + (f" {'bf16 master+opt: device':>24}" if compact else "")
     )
     for zero in (0, 1, 2):
         states = estimate(stage, args.dp, zero, args.precision, tp_size=args.tp,
@@ -325,7 +327,12 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
             moved = estimate(stage, args.dp, zero, args.precision, offload=True, tp_size=args.tp,
                              gradient_accumulation_steps=m)  # fmt: skip
             offload = (f"{moved['total'] / gib:.2f}", f"{moved['host_total'] / gib:.2f}")
-        print(f"{zero:>5} {states['total'] / gib:>36.2f} {offload[0]:>35} {offload[1]:>9}")
+        line = f"{zero:>5} {states['total'] / gib:>36.2f} {offload[0]:>35} {offload[1]:>9}"
+        if compact:
+            small = estimate(stage, args.dp, zero, args.precision, tp_size=args.tp,
+                             gradient_accumulation_steps=m, storage_16bit=True)  # fmt: skip
+            line += f" {small['total'] / gib:>24.2f}"
+        print(line)
     per_mb = activation_bytes(stage, args.seq_len, args.micro_batch, args.precision, False, args.tp)
     print(f"{'schedule':>17} {'in flight':>9} {'activations GiB':>16} {'bubble':>7}")
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):

@@ -140,10 +140,14 @@ def test_estimate_pipeline_stages(capsys):
     assert rows["1f1b"][2] == f"{3 / 11:.1%}" and rows["interleaved_1f1b"][2] == f"{3 / 19:.1%}"
     assert float(rows["1"][0]) < float(rows["0"][0])  # ZeRO-1 shards the stage's Adam state
     # offload_optimizer cpu: the master shard and Adam state leave the device for the host
-    assert rows["0"][1:] == ["-", "-"]
+    assert rows["0"][1:3] == ["-", "-"]
     for zero in ("1", "2"):
-        device, offloaded, host = (float(x) for x in rows[zero])
+        device, offloaded, host, _ = (float(x) for x in rows[zero])
         assert offloaded < device and host >= device - offloaded - 0.01, rows[zero]
+    # bf16 (the default): bf16 master weights and Adam state save 4 + 4 of 16 bytes per
+    # parameter of ZeRO-0's stage
+    device, small = float(rows["0"][0]), float(rows["0"][3])
+    assert abs(small / device - 8 / 16) < 0.01, rows["0"]
     assert main(["estimate", "--params", "7e9", "--pp", "2"]) == 2
     assert "--pp needs the model's layers" in capsys.readouterr().err
 

@@ -74,9 +74,3 @@ def check_storage_dtypes(config) -> None:
                 f"{config.offload_optimizer!r} is not implemented: offloaded steps keep fp32 "
                 "state (16-bit storage runs on the device only); set one of them back"
             )
-        if config.pp_size > 1:
-            raise NotImplementedError(
-                f"hf_zero: '{key}' = 'bf16' with 'pp_size' = {config.pp_size} is not "
-                "implemented: pipeline stages keep fp32 master weights and optimizer state "
-                "(their bf16 runs step fp32 masters); set it back to 'fp32'"
-            )

@@ -61,9 +61,10 @@ class ZeroConfig:
     communication_data_type: str | None = None
     """dtype gradients are reduced in; ``None`` means the compute dtype."""
     master_weights_dtype: str = "fp32"
-    """``bf16`` (with ``precision: bf16``, no offload): the bf16 parameters are the master
-    weights, no fp32 copy (2 bytes per parameter less per rank's shard; each step computes in
-    fp32 one bucket at a time and rounds back). DeepSpeed's ``bf16_master_weights_and_grads``."""
+    """``bf16`` (with ``precision: bf16``, no ``offload_optimizer``; pipeline stages too): the
+    bf16 parameters are the master weights, no fp32 copy (4 bytes per parameter of the rank's
+    shard less; each step computes in fp32 one bucket at a time and rounds back, stochastically).
+    DeepSpeed's ``bf16_master_weights_and_grads``."""
     optimizer_states_dtype: str = "fp32"
     """``bf16``: elementwise optimizer state (Adam's moments) kept in bf16 between steps,
     widened to fp32 for each bucket's step. DeepSpeed's ``bf16.bf16_optimizer_states``."""

@@ -220,6 +220,13 @@ class PipelineEngine(Engine):
         )  # fmt: skip
         self.groups = builder.build(optimizer)
         self._grouped, self.swaps = builder.grouped, builder.swaps
+        # 16-bit masters (`CompactMaster`) round each copy of the tied weight with its own
+        # group's noise, so the first stage sends its values after each step. Read from the
+        # config, not the groups, so that both ranks of the pair agree.
+        self._resync_tied = (
+            self.tied and self.num_stages > 1 and (self.first or self.last)
+            and config.master_weights_dtype == "bf16"
+        )  # fmt: skip
         for p in self.stage_parameters():  # frozen ones compute in the training precision too
             if id(p) not in self._grouped and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
@@ -258,12 +265,23 @@ class PipelineEngine(Engine):
         self.optimizer.end_step()
         self.last_step_skipped = not stepped
         if stepped:
+            if self._resync_tied:
+                self._copy_tied_weight()
             self.global_steps += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
         return loss
+
+    @torch.no_grad()
+    def _copy_tied_weight(self) -> None:
+        """Give the last stage's copy of the tied weight the first stage's stepped values
+        (collective over the pair): both took the same update, rounded apart."""
+        weight = self.tied_copy
+        if weight is None:
+            weight = self.module.get_input_embeddings().weight
+        self.comm.broadcast(weight.data, self.topology.tied.ranks[0], self.topology.tied)
 
     @property
     def loss_scale(self) -> float:

@@ -196,6 +196,7 @@ def _train(
     else:
         model = build_model(0, num_hidden_layers=4, tie_word_embeddings=tied, vocab_size=vocab)
     reference = copy.deepcopy(model)
+    clip = cfg.pop("gradient_clipping", 0.5)  # 0: none (torch then multiplies by exactly 1)
     # 16-bit: the reference computes in bf16/fp16 and keeps fp32 master weights by hand, as the
     # DDP reference of tests/sharding/test_parity.py does (fp16: a fixed loss scale).
     half = HALF.get(cfg.get("precision"))
@@ -203,13 +204,16 @@ def _train(
     scale = cfg.get("loss_scale", 1.0)
     for p in reference.parameters() if half else ():
         p.data = p.data.to(half)
+    compact = cfg.get("master_weights_dtype") == "bf16"  # the bf16 parameters are the master
+    for q in master.parameters() if compact else ():
+        q.data = q.data.to(torch.bfloat16).float()
     engine = hf_zero.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS),
         pp_size=pp,
         pp_schedule=schedule,
         pp_microbatches=MICRO,
-        gradient_clipping=0.5,
+        gradient_clipping=clip,
         **cfg,
     )
     ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -228,9 +232,12 @@ def _train(
         for p, q in zip(reference.parameters(), master.parameters()):
             if q is not p:
                 q.grad = None if p.grad is None else p.grad.float() / scale
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), 0.5).item())
+        ref_norms.append(
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip or float("inf")).item()
+        )
         ref_opt.step()
         ref_opt.zero_grad()
+        unrounded = _round_like_16bit_storage(master, ref_opt, cfg)
         reference.zero_grad(set_to_none=True)
         with torch.no_grad():
             for p, q in zip(reference.parameters(), master.parameters()):
@@ -257,7 +264,40 @@ def _train(
         "memory": engine.memory_report(),
         "params_bytes": engine.memory_report()["params"],
         "stage_numel": sum(p.numel() for p in engine.stage_parameters() if p.requires_grad),
+        "unrounded": {n: unrounded[id(q)] for n, q in ref.items() if id(q) in unrounded},
+        "saved": full,
+        "tied_weight": _tied_weight(engine),
     }
+
+
+def _round_like_16bit_storage(master, optimizer, cfg: dict) -> dict:
+    """The reference's side of 16-bit storage after its fp32 step: Adam's moments kept in bf16
+    (rounded to nearest, as the engine narrows them) and, for bf16 master weights, the master
+    rounded to nearest bf16. The engine rounds stochastically, so each master's fp32 value
+    before rounding is returned, by parameter id, to bracket its result."""
+    unrounded = {}
+    with torch.no_grad():
+        if cfg.get("optimizer_states_dtype") == "bf16":
+            for state in optimizer.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.dim():
+                        v.copy_(v.to(torch.bfloat16))
+        if cfg.get("master_weights_dtype") == "bf16":
+            for q in master.parameters():
+                unrounded[id(q)] = q.detach().clone()
+                q.copy_(q.to(torch.bfloat16))
+    return unrounded
+
+
+def _tied_weight(engine):
+    """A tied weight's copy on this rank (the first stage's embedding or the last stage's head),
+    else None."""
+    if not engine.tied or not (engine.first or engine.last):
+        return None
+    weight = engine.tied_copy
+    if weight is None:  # the first stage
+        weight = engine.module.get_input_embeddings().weight
+    return weight.detach().float().clone()
 
 
 def _replica_backward(
@@ -424,6 +464,3 @@ def test_what_pipelines_do_not_combine_with_is_refused_clearly():
     assert "'pp_size' = 2 x 'tp_size' = 2 must divide the number of processes (2)" in msgs[0]
     msgs = run_distributed(_attempt, 2, args=(dict(pp_size=2, stage=2, quantized_gradients=True),))
     assert "'quantized_gradients' = True (ZeRO++ qgZ) is not implemented" in msgs[0]
-    compact = dict(pp_size=2, precision="bf16", master_weights_dtype="bf16")
-    msgs = run_distributed(_attempt, 2, args=(compact,))
-    assert "'master_weights_dtype' = 'bf16' with 'pp_size' = 2 is not implemented" in msgs[0]

@@ -105,6 +105,22 @@ def test_bf16_stages_save_their_fp32_master_weights_and_resume_bit_exact(tmp_pat
     assert not torch.equal(value, value.bfloat16().float())  # not a bf16 value widened
 
 
+def test_bf16_storage_stages_resume_bit_exact(tmp_path):
+    """bf16 master weights and optimizer state inside stages (tied): the checkpoint holds the
+    bf16 masters and moments, widened (a pipeline checkpoint's tensors are fp32); the resume
+    rounds its steps with the same seeds, so it continues bit for bit."""
+    path = str(tmp_path / "ckpt")
+    cfg = {"precision": "bf16", "master_weights_dtype": "bf16", "optimizer_states_dtype": "bf16"}
+    saved = run_distributed(_save_then_continue, 2, args=(path, 2, 1), kwargs=cfg)[0]
+    same = run_distributed(_load_and_continue, 2, args=(path, 2, 1), kwargs=cfg)[0]
+    assert same["after"] == saved["after"]
+    written = load_file(str(Path(path) / "stage_pp00_tp00.safetensors"))
+    value = written["param/model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(value, value.bfloat16().float())  # the master is the bf16 parameter
+    moments = [v for k, v in written.items() if k.startswith("state/") and "exp_avg" in k]
+    assert moments and all(torch.equal(v, v.bfloat16().float()) for v in moments)
+
+
 FP16 = {"precision": "fp16", "initial_scale_power": 20, "hysteresis": 1}
 """A dynamic loss scale that starts too high for this model: the first steps overflow."""
 
