@@ -12,7 +12,8 @@ and returns the replica's mean micro-batch loss on every rank of the replica.
 Each rank builds the whole model, keeps its stages' parameters and empties the others'. Its
 stages' parameters go into the same flat groups, master weights and sharded optimizer as
 `ZeroEngine`'s stages 0-2 (`GroupBuilder`, `ShardedOptimizer`), over the stage's data-parallel
-group, so what ZeRO offers there (an offloaded optimizer step, for one) reaches pipelines too.
+group, so what ZeRO offers there (an offloaded optimizer step, 16-bit master weights and
+optimizer state, ZeRO++'s quantized gradient reduction) reaches pipelines too.
 The one difference is when gradients are reduced: the schedule runs each micro-batch's backward
 itself, so they accumulate whole in ``.grad`` and are reduced once after it
 (`GradientReducer.reduce_accumulated`); ZeRO-2 then frees them right after the reduce-scatter,
@@ -21,6 +22,8 @@ In bf16 or fp16 the stages compute in 16 bits, the micro-batches' gradients add 
 16-bit ``.grad`` (as DDP accumulates in the parameters' dtype) and the step updates fp32 master
 weights, which checkpoints and saved models take their values from; fp16 scales the loss of
 each micro-batch inside the schedule (`_scaled_loss`) and skips a step that overflowed anywhere.
+16-bit master weights round each step stochastically, bucket by bucket, so the tied weight's two
+copies are made equal again after it (`_copy_tied_weight`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from hf_zero.comm import ZeroPPSettings
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.engine.memory_report import held_memory
 from hf_zero.engine.start_up import start_up
@@ -54,7 +56,7 @@ from hf_zero.pipeline.split import (
     sync_tied_grads,
 )
 from hf_zero.profiling import profile_settings
-from hf_zero.sharding.grouping import GroupBuilder
+from hf_zero.sharding.grouping import GroupBuilder, zeropp_settings
 from hf_zero.sharding.reducer import GradientReducer
 from hf_zero.sharding.tp import TensorParallel, resolve_plan
 
@@ -83,11 +85,6 @@ def check_supported(config: ZeroConfig) -> None:
             "hf_zero pipeline: profiling ('profile' = true, hf-zero doctor) is not implemented "
             "for pipeline stages yet (a step's phases interleave across micro-batches); profile "
             "the same model with 'pp_size' 1"
-        )
-    if config.quantized_gradients:  # qwZ and hpZ need stage 3, refused above
-        raise NotImplementedError(
-            "hf_zero pipeline: 'quantized_gradients' = True (ZeRO++ qgZ) is not implemented "
-            "for pipeline stages yet; set it to false"
         )
 
 
@@ -213,7 +210,7 @@ class PipelineEngine(Engine):
         for group in optimizer.param_groups:  # the emptied stages' parameters leave it
             group["params"] = [p for p in group["params"] if id(p) in mine]
         builder = GroupBuilder(
-            torch.nn.ModuleList(self.stages), config, topo, self.comm, ZeroPPSettings(),
+            torch.nn.ModuleList(self.stages), config, topo, self.comm, zeropp_settings(config, topo),
             self.dtype, lambda p: self.tp is not None and self.tp.shard_of(p) is not None,
             # The first stage's embedding counts the tied weight's gradient; its copy does not.
             counted_in_norm=lambda p: p is not self.tied_copy,
