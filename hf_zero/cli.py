@@ -172,20 +172,24 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         f"{'hf_zero':>12} {'ZeRO paper':>11}"
     )
     # (stage, offload_optimizer, offload_param, 16-bit storage): then ZeRO-Infinity's CPU tier;
-    # bf16 runs add the rows with bf16 master weights and optimizer state
+    # bf16 runs add the rows with bf16 master weights and optimizer state on the device, and
+    # with bf16 optimizer state offloaded ("cpu+bf16")
     rows = [(0, False, False, False)]
     rows += [(s, o, False, False) for s in (1, 2, 3) for o in (False, True)]
     rows += [(3, True, True, False)]
-    rows += [(s, False, False, True) for s in (1, 2, 3)] if args.precision == "bf16" else []
+    if args.precision == "bf16":
+        rows += [(s, False, False, True) for s in (1, 2, 3)]
+        rows += [(s, True, False, True) for s in (1, 2, 3)]
     for stage, offload, offload_param, compact in rows:
+        kinds = dict(storage_16bit=compact and not offload, optimizer_states_16bit=compact)
         m = estimate(
             shape, args.dp, stage, args.precision, offload, args.tp, args.hpz, frozen,
-            args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param,
-            storage_16bit=compact,
+            args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param, **kinds,
         )  # fmt: skip
         work = working_set_bytes(shape, stage, args.precision, args.tp)
-        label = "opt+param" if offload_param else "bf16 opt" if compact else str(offload)
-        hf = formula(stage, args.precision, offload, gas, offload_param, compact)
+        label = "opt+param" if offload_param else str(offload)
+        label = ("cpu+bf16" if offload else "bf16 opt") if compact else label
+        hf = formula(stage, args.precision, offload, gas, offload_param, **kinds)
         # Stage 3's working set needs the layer sizes (--model / --model-config).
         known = stage < 3 or shape.largest_unit_params
         work_text = f"{work / gib:>14.2f}" if known else f"{'unknown':>14}"

@@ -53,12 +53,15 @@ def model_state_bytes(
     between_steps: bool = False,
     offload_param: bool = False,
     storage_16bit: bool = False,
+    optimizer_states_16bit: bool = False,
 ) -> dict[str, float]:
     """Estimated bytes per rank by kind, named as in `ZeroEngine.memory_report`, at the
     model-state peak (or, ``between_steps``, after the optimizer step). ``offload_param``
     (stage 3) moves the parameter shards to ``host_params``. ``storage_16bit``
     (``master_weights_dtype`` and ``optimizer_states_dtype`` bf16, bf16 runs on the device):
-    the parameters are the master, and the optimizer state is kept in half the bytes."""
+    the parameters are the master, and the optimizer state is kept in half the bytes.
+    ``optimizer_states_16bit`` (``optimizer_states_dtype`` alone, bf16 runs; on the device or
+    offloaded to the host): the optimizer state in half the bytes."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage = {stage!r}; allowed: 0, 1, 2, 3")
     if precision not in BYTES:
@@ -80,6 +83,9 @@ def model_state_bytes(
         if precision != "bf16" or offload or offload_param:
             raise ValueError("storage_16bit needs precision bf16 and no offload")
         report["master_weights"] = 0.0
+    if storage_16bit or optimizer_states_16bit:
+        if precision != "bf16":
+            raise ValueError("optimizer_states_16bit needs precision bf16")
         report["optimizer_states"] /= 2
     kinds = ("host_params", "host_grads", "host_master_weights", "host_optimizer_states")
     host = dict.fromkeys(kinds, 0.0)
@@ -118,11 +124,12 @@ def formula(
     gradient_accumulation_steps: int = 1,
     offload_param: bool = False,
     storage_16bit: bool = False,
+    optimizer_states_16bit: bool = False,
 ) -> str:
     """hf_zero's device model states for ``stage`` as text (``"2P + 14P/N"``), read off
     `model_state_bytes` itself so the two cannot disagree."""
     kw = dict(gradient_accumulation_steps=gradient_accumulation_steps, offload_param=offload_param)
-    kw["storage_16bit"] = storage_16bit
+    kw.update(storage_16bit=storage_16bit, optimizer_states_16bit=optimizer_states_16bit)
     one = model_state_bytes(1, 1, stage, precision, offload, **kw)
     two = model_state_bytes(1, 2, stage, precision, offload, **kw)
     one, two = one["total"], two["total"]
@@ -226,6 +233,7 @@ def estimate(
     between_steps: bool = False,
     offload_param: bool = False,
     storage_16bit: bool = False,
+    optimizer_states_16bit: bool = False,
 ) -> dict[str, float]:
     """Per-rank bytes by kind (as `ZeroEngine.memory_report` names them) for a whole model.
 
@@ -248,6 +256,7 @@ def estimate(
         between_steps=between_steps,
         offload_param=offload_param,
         storage_16bit=storage_16bit,
+        optimizer_states_16bit=optimizer_states_16bit,
     )
     kind = "int8" if mixz is True else mixz or None
     if kind is not None and kind not in FROZEN_FORMAT_BYTES:

@@ -57,7 +57,8 @@ def check_offload_settings(config) -> None:
 
 def check_storage_dtypes(config) -> None:
     """``master_weights_dtype`` / ``optimizer_states_dtype``: 16-bit storage of what the step
-    keeps, on the device, where the step is `DeviceStep`'s."""
+    keeps. bf16 masters on the device only (`CompactMaster`: the parameters are the master);
+    bf16 optimizer state on the device or, with ``offload_optimizer: cpu``, in host memory."""
     for key in ("master_weights_dtype", "optimizer_states_dtype"):
         value = getattr(config, key)
         one_of(key, value, ("fp32", "bf16"))
@@ -68,9 +69,11 @@ def check_storage_dtypes(config) -> None:
                 f"zero config: '{key}' = 'bf16' needs 'precision' = 'bf16' (16-bit storage of "
                 f"a bf16 run's step); got {config.precision!r}"
             )
-        if config.offload_optimizer != "none":
+        host_state = key == "optimizer_states_dtype" and config.offload_optimizer == "cpu"
+        if config.offload_optimizer != "none" and not host_state:
+            kept = "fp32 masters" if key == "master_weights_dtype" else "fp32 state in swap files"
             raise NotImplementedError(
                 f"hf_zero: '{key}' = 'bf16' with 'offload_optimizer' = "
-                f"{config.offload_optimizer!r} is not implemented: offloaded steps keep fp32 "
-                "state (16-bit storage runs on the device only); set one of them back"
+                f"{config.offload_optimizer!r} is not implemented: the offloaded step keeps "
+                f"{kept}; set one of them back"
             )

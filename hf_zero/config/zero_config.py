@@ -67,7 +67,8 @@ class ZeroConfig:
     DeepSpeed's ``bf16_master_weights_and_grads``."""
     optimizer_states_dtype: str = "fp32"
     """``bf16``: elementwise optimizer state (Adam's moments) kept in bf16 between steps,
-    widened to fp32 for each bucket's step. DeepSpeed's ``bf16.bf16_optimizer_states``."""
+    widened to fp32 for each bucket's step (with ``offload_optimizer: cpu``, in host memory,
+    a tile at a time). DeepSpeed's ``bf16.bf16_optimizer_states``."""
 
     # --- fp16 dynamic loss scaling (DeepSpeed's ``fp16`` section) ------------------------------
     loss_scale: float = 0.0

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-from hf_zero.optim.cpu_adam import CPUAdam, adam_step, supports_fast_step
+from hf_zero.optim.cpu_adam import DEFAULT_TILE, CPUAdam, adam_step, supports_fast_step
 from hf_zero.optim.streamed_step import streamed_step
 from hf_zero.sharding.flat_group import FlatParamGroup
 
@@ -85,6 +85,8 @@ class HostStep(MasterStep):
     def __init__(self, optimizer, groups, fast_kernel: bool) -> None:
         super().__init__(optimizer, groups)
         self.fast_kernel = _fast_kernel(optimizer, fast_kernel)
+        self.state_dtype = groups[0].master_weights.kept_dtype(optimizer) if groups else None
+        """Adam's moments between steps: ``optimizer_states_dtype``, else `CPUAdam`'s own."""
         self.overlap_copy_back = True
         """Copy each updated tile while the CPU updates the next (False: every shard after the
         whole step; benchmarks/bench_gpu_offload.py times both)."""
@@ -95,14 +97,19 @@ class HostStep(MasterStep):
 
     def __call__(self) -> None:
         on_tile = self._copy_back if self.overlap_copy_back else None
-        with _narrowed(self.optimizer, self.groups):
-            if isinstance(self.optimizer, CPUAdam):
-                self.optimizer.on_tile = on_tile
-                self.optimizer.step()
-            elif self.fast_kernel:
-                adam_step(self.optimizer, on_tile=on_tile)
-            else:
-                self.optimizer.step()  # any other elementwise optimizer, untiled
+        optimizer = self.optimizer
+        if isinstance(optimizer, CPUAdam) or self.fast_kernel:
+            tile = getattr(optimizer, "tile_numel", DEFAULT_TILE)
+            with _narrowed(optimizer, self.groups):
+                adam_step(optimizer, tile, self.state_dtype, on_tile)  # widens bf16 state by tile
+            return
+        if all(g.master_weights.state_dtype is None for g in self.groups):
+            with _narrowed(optimizer, self.groups):
+                optimizer.step()  # any other elementwise optimizer, untiled
+            return
+        for g in self.groups:  # 16-bit state: widened for the step a bucket at a time
+            with _narrowed(optimizer, [g]), g.master_weights.stepped(optimizer):
+                optimizer.step()
 
 
 class SplitStep(MasterStep):

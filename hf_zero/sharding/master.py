@@ -366,7 +366,9 @@ def master_weights(
     if offload == "nvme":  # fp32 parameters in a swap file there: one file for both
         return SwappedMaster(swap, values, world, placement.master_file(swap) if fp32 else None)
     if offload == "cpu":
-        return HostMaster(values, world, pin)
+        master = HostMaster(values, world, pin)
+        master.state_dtype = state_dtype
+        return master
     alias = placement.master_view() if fp32 or compact else None
     if alias is not None:
         view, complete = alias

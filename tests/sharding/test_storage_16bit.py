@@ -14,15 +14,18 @@ at lr x (1, 1 +- 1e-4)) beside the 16-bit runs, and each 16-bit run must end wit
 Bytes: `memory_report()` has no master copy and half the optimizer state, as
 `hf-zero estimate` says (the process's RSS: tests/memory/test_memory_rss.py, "stage 3 bf16 16-bit").
 Checkpoints keep the bf16 state as it is, so a resumed run equals an uninterrupted one.
+bf16 optimizer state offloaded to host memory (``offload_optimizer: cpu``) is the same arithmetic
+and rounding as on the device, so the two runs are equal bit for bit.
 """
 
 import pytest
 import torch
-from helpers import BUCKET, train_on_corpus, train_steps
+from helpers import BUCKET, adamw, train_on_corpus, train_steps, train_zero
 
 import hf_zero
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.memory import model_state_bytes
+from hf_zero.optim import CPUAdam
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
 
@@ -109,8 +112,8 @@ def test_bytes_per_parameter_match_the_estimate(stage):
         assert both["report"]["master_weights"] == 0 < fp32["report"]["master_weights"]
 
 
-def _resume(load: str | None, save: str | None, steps: range) -> dict:
-    _, engine = _engine(3, **STORAGE["bf16 both"])
+def _resume(load: str | None, save: str | None, steps: range, cfg: dict) -> dict:
+    _, engine = _engine(3, **cfg)
     if load:
         engine.load_checkpoint(load)
     losses = train_steps(engine, steps)
@@ -120,10 +123,17 @@ def _resume(load: str | None, save: str | None, steps: range) -> dict:
     return {"losses": losses, "full": {k: v.float() for k, v in full.items()}}
 
 
-def test_16bit_state_resumes_exactly(tmp_path):
-    straight = run_distributed(_resume, 2, args=(None, None, range(4)))[0]
-    run_distributed(_resume, 2, args=(None, str(tmp_path), range(2)))
-    resumed = run_distributed(_resume, 2, args=(str(tmp_path), None, range(2, 4)))[0]
+RESUMED = {
+    "device": STORAGE["bf16 both"],
+    "offloaded": {"optimizer_states_dtype": "bf16", "offload_optimizer": "cpu"},
+}
+
+
+@pytest.mark.parametrize("cfg", RESUMED.values(), ids=RESUMED.keys())
+def test_16bit_state_resumes_exactly(tmp_path, cfg):
+    straight = run_distributed(_resume, 2, args=(None, None, range(4), cfg))[0]
+    run_distributed(_resume, 2, args=(None, str(tmp_path), range(2), cfg))
+    resumed = run_distributed(_resume, 2, args=(str(tmp_path), None, range(2, 4), cfg))[0]
     assert resumed["losses"] == straight["losses"][2:]
     assert all(torch.equal(resumed["full"][k], straight["full"][k]) for k in straight["full"])
 
@@ -147,3 +157,69 @@ def test_16bit_storage_keys_are_read_and_checked():
         NotImplementedError, match=r"'offload_optimizer' = 'cpu' is not implemented"
     ):
         ZeroConfig(stage=3, precision="bf16", master_weights_dtype="bf16", offload_optimizer="cpu")
+    with pytest.raises(
+        NotImplementedError, match=r"'offload_optimizer' = 'nvme' is not implemented.*swap files"
+    ):
+        ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
+                   offload_optimizer="nvme", nvme_path="/tmp")  # fmt: skip
+    host = ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
+                      offload_optimizer="cpu")  # fmt: skip
+    assert host.optimizer_states_dtype == "bf16"
+
+
+def fused_adamw(groups):
+    return torch.optim.AdamW(groups, fused=True)  # the kernel the offloaded step runs
+
+
+def cpu_adam(groups):
+    return CPUAdam(groups)  # its own state dtype (fp32) is overridden by the config's
+
+
+def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool) -> dict:
+    """bf16 optimizer state on the device, then with ``offload_optimizer: cpu``."""
+    runs = {}
+    for offload in ("none", "cpu"):
+        losses, params, engine = train_zero(
+            3, 2, 0.3, stage, precision="bf16", make_optimizer=make_optimizer,
+            optimizer_states_dtype="bf16", offload_optimizer=offload,
+            offload_optimizer_fast_kernel=fast_kernel,
+        )  # fmt: skip
+        moments = {
+            v.dtype
+            for s in engine.optimizer.optimizer.state.values()
+            for k, v in s.items()
+            if k.startswith("exp_avg")
+        }
+        runs[offload] = {
+            "losses": losses, "params": params, "moments": moments,
+            "report": engine.memory_report(),
+            "shard": sum(g.layout.shard_numel for g in engine.groups),
+            "buckets": len(engine.groups),
+        }  # fmt: skip
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("stage", "make_optimizer", "fast_kernel"),
+    [(2, fused_adamw, True), (3, fused_adamw, True), (2, cpu_adam, True), (3, adamw, False)],
+    ids=["stage2-adamw", "stage3-adamw", "stage2-cpu-adam", "stage3-your-step"],
+)
+def test_bf16_optimizer_state_offloaded_equals_it_on_the_device(stage, make_optimizer, fast_kernel):
+    """``optimizer_states_dtype: bf16`` with ``offload_optimizer: cpu``: the moments are kept in
+    bf16 in host memory and widened to fp32 a tile at a time for the step (torch's fused kernel,
+    `CPUAdam`, or the user's own step a bucket at a time), as the device step widens a bucket:
+    the same arithmetic and rounding, so losses and parameters equal the on-device run bit for
+    bit. The host holds 4 bytes of master and 4 of moments per shard element (plus step
+    counters), as `hf-zero estimate`'s ``cpu+bf16`` rows say."""
+    for r in run_distributed(_offloaded_states, 2, args=(stage, make_optimizer, fast_kernel)):
+        device, host = r["none"], r["cpu"]
+        assert host["losses"] == device["losses"]
+        assert all(torch.equal(host["params"][k], device["params"][k]) for k in device["params"])
+        assert host["moments"] == device["moments"] == {torch.bfloat16}
+        report, shard = host["report"], host["shard"]
+        estimate = model_state_bytes(shard, 1, 1, "bf16", offload=True, optimizer_states_16bit=True)
+        assert report["optimizer_states"] == report["master_weights"] == 0, report
+        assert report["host_master_weights"] == estimate["host_master_weights"] == 4 * shard
+        counters = 8 * host["buckets"]
+        states = report["host_optimizer_states"] - estimate["host_optimizer_states"]
+        assert estimate["host_optimizer_states"] == 4 * shard and 0 <= states <= counters, report
