@@ -37,6 +37,8 @@ from pathlib import Path
 STORAGE_16BIT = {"stage 3 bf16 16-bit"}
 """Configurations with bf16 master weights and optimizer state (``master_weights_dtype``,
 ``optimizer_states_dtype``)."""
+STATES_16BIT = {"stage 3 bf16 offload 16-bit state"}
+"""Configurations with bf16 optimizer state alone (offloaded: the host keeps it)."""
 CONFIGS = {
     "stage 1 fp32": (1, "fp32", False),
     "stage 2 fp32": (2, "fp32", False),
@@ -49,6 +51,7 @@ CONFIGS = {
     "stage 2 bf16 offload": (2, "bf16", True),
     "stage 3 bf16 offload": (3, "bf16", True),
     "stage 3 bf16 16-bit": (3, "bf16", False),
+    "stage 3 bf16 offload 16-bit state": (3, "bf16", True),
 }
 
 
@@ -139,6 +142,7 @@ def worker(args) -> dict:
 
     stage, precision, offload = CONFIGS[args.worker]
     compact = args.worker in STORAGE_16BIT
+    states_16bit = args.worker in STATES_16BIT
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = model_config(args)
@@ -167,6 +171,7 @@ def worker(args) -> dict:
             if compact
             else {}
         ),
+        **({"optimizer_states_dtype": "bf16"} if states_16bit else {}),
     )
     gc.collect()
     readings["initialized"] = proc_status()  # VmHWM here: the peak of initialize()
@@ -196,6 +201,7 @@ def worker(args) -> dict:
     readings["between_trimmed"] = proc_status()
     reports["between"] = engine.memory_report()
     common = dict(precision=precision, offload=offload, storage_16bit=compact)
+    common["optimizer_states_16bit"] = states_16bit
     est_peak = estimate(shape, world, stage, **common)
     est_between = estimate(shape, world, stage, between_steps=True, **common)
     work = working_set_bytes(shape, stage, precision)
@@ -286,9 +292,9 @@ def table(rows: dict[str, dict], params: int) -> str:
     ]
     for name, w in rows.items():
         stage, precision, offload = CONFIGS[name]
-        compact = name in STORAGE_16BIT
+        compact, states_16bit = name in STORAGE_16BIT, name in STATES_16BIT
         text = formula(stage, precision, offload, storage_16bit=compact)
-        text += " + host 16P/N" if offload else ""
+        text += (" + host 12P/N" if states_16bit else " + host 16P/N") if offload else ""
         p, b = w["peak"], w["between"]
         hwm = " / ".join(
             f"{w[k]['rss_growth'] / 1e6:.0f}"
