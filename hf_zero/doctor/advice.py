@@ -168,6 +168,9 @@ def _storage_16bit(d: Diagnosis, now: dict, add) -> None:
     widens its part to fp32 and back: one bucket's fp32 copy at a time, not counted."""
     c = d.config
     m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
+    if c.get("precision") == "bf16" and c.get("offload_optimizer") == "cpu":
+        _host_states_16bit(d, now, add)
+        return
     if c.get("precision") != "bf16" or c.get("offload_optimizer") not in (None, "none"):
         return
     if (c.get("pp_size") or 1) > 1 or not m + o:
@@ -183,6 +186,20 @@ def _storage_16bit(d: Diagnosis, now: dict, add) -> None:
         flags, objects, d.step_s + extra,
         f"{mib(sum(now.values()) - sum(objects.values()))} of fp32 masters and Adam state",
         ["loss within 1% of fp32 masters over 200 steps (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
+
+
+def _host_states_16bit(d: Diagnosis, now: dict, add) -> None:
+    """An offloaded bf16 run's Adam moments in host memory: keep them in bf16 (the masters stay
+    fp32 on the host), widened a tile at a time for the step."""
+    o = now.get("host_optimizer_states", 0)
+    if not o or d.config.get("optimizer_states_dtype") == "bf16":
+        return
+    objects = dict(now, host_optimizer_states=o // 2)
+    extra = 3 * o / (ASSUMED["copy_gbytes_per_s"] * 1e9)  # one more read and write of the state
+    add("storage_16bit", "bf16 optimizer state in host memory (fp32 arithmetic per tile)",
+        ["--zero_optimizer_states_dtype", "bf16"], objects, d.step_s + extra,
+        f"{mib(o - o // 2)} of fp32 Adam state on the host",
+        ["bit-identical to bf16 state on the device (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
 
 
 def _offload_param(d: Diagnosis, now: dict, add) -> None:
