@@ -389,3 +389,17 @@ def load_quantized(path: str, quant: str, dtype=torch.bfloat16, lora: bool = Tru
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     return model.train()  # as the Trainer does (from_pretrained leaves eval mode)
+
+
+def loopback_tx_bytes() -> int | None:
+    """The loopback interface's transmitted bytes (``/proc/net/dev``), None where unreadable. In
+    the test workers' own network namespaces (tests/conftest.py) only their runs count."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])
+    except OSError:
+        return None
+    return None

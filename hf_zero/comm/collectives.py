@@ -206,6 +206,16 @@ class Collectives:
                 group.spans_nodes, False,
             )  # fmt: skip
 
+    def book_send(self, tensor: torch.Tensor, peer: int, group: Group) -> None:
+        """Book one point-to-point send of ``tensor`` to global rank ``peer`` of ``group``,
+        issued by someone else (torch's pipeline schedules)."""
+        nbytes = _nbytes(tensor)
+        remote = group.off_node(dist.get_rank(), peer)
+        self.stats.record(
+            "send", nbytes, remote, 2, self.purpose, "point_to_point", nbytes,
+            nbytes if remote else 0,
+        )  # fmt: skip
+
     # --- accounting ---------------------------------------------------------------------------
     def for_purpose(self, purpose: str) -> Collectives:
         """The same collectives (same stats, settings and exchange tags), booked as ``purpose``:

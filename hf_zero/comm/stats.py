@@ -28,6 +28,8 @@ byte counts:
     ``chain``              NCCL broadcast (pipelined ring from the root):      booked (N-1)/N M
                            every rank but the last sends M                     (the mean)
     ``barrier``            barriers, monitored barriers                        0
+    ``point_to_point``     one send to one peer (pipeline stages' activations  M
+                           and their gradients)
     =====================  ==================================================  =================
 
     ``hierarchical``: hf_zero's reduce-scatter / all-gather on a gloo data-parallel group that
@@ -54,6 +56,9 @@ Purposes keep the ZeRO traffic comparable with the paper while nothing goes unco
 * ``"zero"``: gradient and parameter traffic (reductions, gathers, the initial broadcast, ZeRO++).
 * ``"tp"``: AutoTP activations and gradients, and gathering TP slices for a state dict.
 * ``"sp"``: sequence parallelism's attention all-to-alls and loss sums.
+* ``"pp"``: pipeline stages: activations and their gradients sent between stages (booked as
+  each send is issued: kind ``send``), the tied embedding's gradient sum and value copy, and
+  whole-model gathers after training.
 * ``"control"``: flags, execution-order checks, barriers, gradient-norm and overflow reductions.
 
 ``bytes()``, ``as_dict()`` (without arguments), ``calls``, ``intra_node_bytes`` and
@@ -66,8 +71,9 @@ import threading
 from collections import defaultdict
 from typing import NamedTuple
 
-PURPOSES = ("zero", "tp", "sp", "control")
+PURPOSES = ("zero", "tp", "sp", "pp", "control")
 PAPER_FACTOR = {
+    "send": 1,
     "all_reduce": 2,
     "reduce_scatter": 1,
     "all_gather": 1,
@@ -93,6 +99,7 @@ ALGORITHMS = {
     "all_to_all": ("pairwise", "pairwise"),
     "broadcast": ("chain", "binomial_tree"),
     "barrier": ("barrier", "barrier"),
+    "send": ("point_to_point", "point_to_point"),
 }
 """Kind -> (algorithm on NCCL and other backends, on gloo) when the backend's own collective runs."""
 
@@ -126,6 +133,8 @@ def wire_bytes(algorithm: str, nbytes: int, size: int, vrank: int = 0) -> int:
     """
     if algorithm == "binomial_tree":
         return nbytes * tree_children(vrank, size)
+    if algorithm == "point_to_point":
+        return nbytes
     return WIRE_FRACTION[algorithm] * (size - 1) * nbytes // size
 
 

@@ -35,7 +35,6 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -48,6 +47,7 @@ from hf_zero.engine.surface import Engine
 from hf_zero.numerics.precision import DTYPES, LossScaler
 from hf_zero.optim import ShardedOptimizer
 from hf_zero.optim.setup import optimizer_and_scheduler
+from hf_zero.pipeline.booked_stage import BookedStage
 from hf_zero.pipeline.split import (
     CausalLMStage,
     split_causal_lm,
@@ -102,6 +102,8 @@ class PipelineEngine(Engine):
         self.config = config = start.config
         self.topology = topo = start.topology
         self.comm, self.device, self.watchdog = start.comm, start.device, start.watchdog
+        self.pp_comm = self.comm.for_purpose("pp")
+        """Collectives booked as the pipeline's traffic (`hf_zero.comm.stats`)."""
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dtype = DTYPES[config.precision]
         self.loaded_dtypes = {n: p.dtype for n, p in model.named_parameters()}
@@ -188,7 +190,7 @@ class PipelineEngine(Engine):
                     shape = self._released.pop(id(p))[1]
                     dtype = self.dtype if p.is_floating_point() else p.dtype  # as trained
                     p.data = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.broadcast(p.data, owner, group=topo.pp.pg)
+                self.pp_comm.broadcast(p.data, owner, topo.pp)
 
     def _adopt_tied_copy(self) -> torch.nn.Parameter | None:
         """The last stage's copy of a tied weight steps with the embedding's param group."""
@@ -251,9 +253,10 @@ class PipelineEngine(Engine):
         replica."""
         loss = self._run(batch, microbatches or self.microbatches, training=True)
         if self.tied and self.num_stages > 1:
+            tied = self.topology.tied
             for stage in self.stages:
                 if stage.first or stage.last:
-                    sync_tied_grads(stage, self.topology.tied.pg)
+                    sync_tied_grads(stage, tied.pg, lambda g: self.pp_comm.all_reduce(g, tied))
         self.reducer.reduce_accumulated()
         self.clip_grad_norm_(self.config.gradient_clipping or float("inf"))
         stepped = self.optimizer.step(clipped=True)
@@ -278,7 +281,7 @@ class PipelineEngine(Engine):
         weight = self.tied_copy
         if weight is None:
             weight = self.module.get_input_embeddings().weight
-        self.comm.broadcast(weight.data, self.topology.tied.ranks[0], self.topology.tied)
+        self.pp_comm.broadcast(weight.data, self.topology.tied.ranks[0], self.topology.tied)
 
     @property
     def loss_scale(self) -> float:
@@ -307,7 +310,7 @@ class PipelineEngine(Engine):
             if len(self._schedules) >= MAX_SCHEDULES:  # the oldest shape goes
                 self._schedules.pop(next(iter(self._schedules)))
             pipes = [
-                PipelineStage(m, s, self.num_stages, self.device, group=self.topology.pp.pg)
+                BookedStage(m, s, self.num_stages, self.device, self.topology.pp, self.pp_comm)
                 for m, s in zip(self.stages, self.stage_ids)
             ]
             count = shape[0]

@@ -47,8 +47,8 @@ class ZeroTrainerMixin:
     optimizer state as one file per rank; ``resume_from_checkpoint`` restores it exactly. Logs
     add ``grad_norm_pre_clip`` (the Trainer's ``grad_norm`` is the same pre-clip value),
     ``grad_norm_post_clip``, ``loss_scale`` (fp16), this rank's memory by kind and its traffic
-    per optimizer step: ``comm_wire_MiB_per_step`` (what this rank sent, ZeRO, TP and control
-    traffic together) and ``comm_paper_MiB_per_step`` (the ZeRO traffic by the ZeRO paper's
+    per optimizer step: ``comm_wire_MiB_per_step`` (what this rank sent, ZeRO, TP, SP, pipeline
+    and control traffic together) and ``comm_paper_MiB_per_step`` (the ZeRO traffic by the ZeRO paper's
     volume convention); see `hf_zero.comm.stats`.
     """
 

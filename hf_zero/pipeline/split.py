@@ -13,7 +13,7 @@ the last stage; `sync_tied_grads` sums the two copies' gradients so both take th
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -219,12 +219,20 @@ def stage_model_parameters(
     return list(dict.fromkeys(p for m in modules for p in m.parameters()))
 
 
-def sync_tied_grads(stage: CausalLMStage, group: dist.ProcessGroup | None) -> None:
+def sync_tied_grads(
+    stage: CausalLMStage,
+    group: dist.ProcessGroup | None,
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """Sum the tied embedding's gradient over its two copies (first and last stage; ``group``
-    holds exactly those two ranks), so both copies take the same, tied update."""
+    holds exactly those two ranks), so both copies take the same, tied update. ``all_reduce``
+    replaces ``dist.all_reduce`` over ``group`` (an engine's booked collective)."""
     if not stage.tied or (stage.first and stage.last):
         return  # untied, or one stage sharing the weight already
     weight = stage.embed_tokens.weight if stage.first else stage.lm_head.weight
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=group)
+    if all_reduce is None:
+        dist.all_reduce(weight.grad, group=group)
+    else:
+        all_reduce(weight.grad)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, build_model, two_param_groups
+from helpers import batch, build_model, loopback_tx_bytes, two_param_groups
 
 import hf_zero
 from hf_zero.comm import Collectives
@@ -284,18 +284,6 @@ TOLERANCE = (0.995, 1.05)
 (TCP/IP about 52 B per 64 KiB segment plus ACKs, gloo's message headers: +0.09% to +1.4% seen)."""
 
 
-def _lo_tx() -> int | None:
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, counters = line.partition(":")
-                if name.strip() == "lo":
-                    return int(counters.split()[8])
-    except OSError:
-        return None
-    return None
-
-
 def _loopback_windows(attempts: int) -> dict:
     topo = Topology.build()
     group, n = topo.dp, topo.dp.size
@@ -322,11 +310,11 @@ def _loopback_windows(attempts: int) -> dict:
             for _ in range(attempts):
                 comm.stats.reset()
                 dist.barrier()
-                before = _lo_tx()
+                before = loopback_tx_bytes()
                 dist.barrier()
                 run()
                 dist.barrier()
-                after = _lo_tx()
+                after = loopback_tx_bytes()
                 wire = torch.tensor([comm.stats.wire_bytes()])
                 dist.all_reduce(wire)  # the sum over ranks (after the reading)
                 measured.append((after - before, int(wire)))
@@ -368,7 +356,7 @@ def _in_private_namespace() -> dict | None:
 
 
 def test_wire_bytes_agree_with_the_loopback_interface_counters():
-    if _lo_tx() is None:
+    if loopback_tx_bytes() is None:
         pytest.skip("/proc/net/dev has no readable 'lo' counters")
     windows, where = _in_private_namespace(), "a private network namespace"
     if windows is None:
