@@ -324,17 +324,15 @@ def _estimate_pipeline(args: argparse.Namespace, shape) -> int:
         + (f" {'bf16 master+opt: device':>24}" if compact else "")
     )
     for zero in (0, 1, 2):
-        states = estimate(stage, args.dp, zero, args.precision, tp_size=args.tp,
-                          gradient_accumulation_steps=m)  # fmt: skip
+        kw = dict(tp_size=args.tp, gradient_accumulation_steps=m)
+        states = estimate(stage, args.dp, zero, args.precision, **kw)
         offload = ("-", "-")  # offload needs a sharded optimizer (stage 1 or 2)
         if zero:
-            moved = estimate(stage, args.dp, zero, args.precision, offload=True, tp_size=args.tp,
-                             gradient_accumulation_steps=m)  # fmt: skip
+            moved = estimate(stage, args.dp, zero, args.precision, offload=True, **kw)
             offload = (f"{moved['total'] / gib:.2f}", f"{moved['host_total'] / gib:.2f}")
         line = f"{zero:>5} {states['total'] / gib:>36.2f} {offload[0]:>35} {offload[1]:>9}"
         if compact:
-            small = estimate(stage, args.dp, zero, args.precision, tp_size=args.tp,
-                             gradient_accumulation_steps=m, storage_16bit=True)  # fmt: skip
+            small = estimate(stage, args.dp, zero, args.precision, storage_16bit=True, **kw)
             line += f" {small['total'] / gib:>24.2f}"
         print(line)
     per_mb = activation_bytes(stage, args.seq_len, args.micro_batch, args.precision, False, args.tp)
