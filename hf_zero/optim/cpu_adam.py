@@ -131,7 +131,7 @@ class CPUAdam(torch.optim.AdamW):
         self.tile_numel = tile_numel
         self.state_dtype = state_dtype
         self.on_tile: TileHook | None = None
-        """Set by the engine to start each tile's copy back to the device."""
+        """Called after each tile by `step()` (the offloaded step passes its own to `adam_step`)."""
 
     @torch.no_grad()
     def step(self, closure=None):
