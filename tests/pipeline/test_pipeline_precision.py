@@ -1,6 +1,8 @@
 """Pipeline stages in bf16 and fp16: 16-bit stages stepping fp32 master weights, against one
 process doing the same by hand (a 16-bit model, an fp32 copy stepped; fp16: a loss scale), on the
-same global batches as tests/pipeline/test_pipeline.py's fp32 cases."""
+same global batches as tests/pipeline/test_pipeline.py's fp32 cases. Then bf16 storage of what
+the step keeps (``optimizer_states_dtype`` / ``master_weights_dtype: bf16``), the reference
+rounding its own state and masters after each step."""
 
 import torch
 from helpers import MODEL, build_model
@@ -158,9 +160,10 @@ def test_bf16_master_weights_in_stages_round_the_step_stochastically():
 def test_bf16_storage_in_stages_times_two_replicas_zero_1_tied():
     """PP 2 x DP 2, ZeRO-1, tied embeddings, bf16 master weights and optimizer state, three
     steps: within `STORAGE_TOL` of the reference (which rounds its masters to nearest, the
-    engine stochastically); the tied weight's two copies, rounded in different groups, are equal after
-    every step (the first stage sends its values); each rank holds what `hf-zero estimate`'s
-    16-bit storage formula says (no master copy, 2-byte moments), up to padding."""
+    engine stochastically); the tied weight's two copies, rounded in different groups, are
+    equal after every step (the first stage sends its values); each rank holds what
+    `hf-zero estimate`'s 16-bit storage formula says (no master copy, 2-byte moments), up to
+    padding."""
     from hf_zero.memory import model_state_bytes
 
     kwargs = {"stage": 1, "precision": "bf16", **STORAGE_16BIT}
