@@ -34,7 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-STORAGE_16BIT = {"stage 3 bf16 16-bit"}
+STORAGE_16BIT = {"stage 3 bf16 16-bit", "stage 3 bf16 offload 16-bit"}
 """Configurations with bf16 master weights and optimizer state (``master_weights_dtype``,
 ``optimizer_states_dtype``)."""
 STATES_16BIT = {"stage 3 bf16 offload 16-bit state"}
@@ -52,6 +52,7 @@ CONFIGS = {
     "stage 3 bf16 offload": (3, "bf16", True),
     "stage 3 bf16 16-bit": (3, "bf16", False),
     "stage 3 bf16 offload 16-bit state": (3, "bf16", True),
+    "stage 3 bf16 offload 16-bit": (3, "bf16", True),
 }
 
 
@@ -294,7 +295,8 @@ def table(rows: dict[str, dict], params: int) -> str:
         stage, precision, offload = CONFIGS[name]
         compact, states_16bit = name in STORAGE_16BIT, name in STATES_16BIT
         text = formula(stage, precision, offload, storage_16bit=compact)
-        text += (" + host 12P/N" if states_16bit else " + host 16P/N") if offload else ""
+        host = "10P/N" if compact else "12P/N" if states_16bit else "16P/N"
+        text += f" + host {host}" if offload else ""
         p, b = w["peak"], w["between"]
         hwm = " / ".join(
             f"{w[k]['rss_growth'] / 1e6:.0f}"

@@ -172,8 +172,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         f"{'hf_zero':>12} {'ZeRO paper':>11}"
     )
     # (stage, offload_optimizer, offload_param, 16-bit storage): then ZeRO-Infinity's CPU tier;
-    # bf16 runs add the rows with bf16 master weights and optimizer state on the device, and
-    # with bf16 optimizer state offloaded ("cpu+bf16")
+    # bf16 runs add the rows with bf16 master weights and optimizer state, on the device and
+    # offloaded ("cpu+bf16")
     rows = [(0, False, False, False)]
     rows += [(s, o, False, False) for s in (1, 2, 3) for o in (False, True)]
     rows += [(3, True, True, False)]
@@ -181,7 +181,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         rows += [(s, False, False, True) for s in (1, 2, 3)]
         rows += [(s, True, False, True) for s in (1, 2, 3)]
     for stage, offload, offload_param, compact in rows:
-        kinds = dict(storage_16bit=compact and not offload, optimizer_states_16bit=compact)
+        kinds = dict(storage_16bit=compact, optimizer_states_16bit=compact)
         m = estimate(
             shape, args.dp, stage, args.precision, offload, args.tp, args.hpz, frozen,
             args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param, **kinds,

@@ -58,8 +58,9 @@ def model_state_bytes(
     """Estimated bytes per rank by kind, named as in `ZeroEngine.memory_report`, at the
     model-state peak (or, ``between_steps``, after the optimizer step). ``offload_param``
     (stage 3) moves the parameter shards to ``host_params``. ``storage_16bit``
-    (``master_weights_dtype`` and ``optimizer_states_dtype`` bf16, bf16 runs on the device):
-    the parameters are the master, and the optimizer state is kept in half the bytes.
+    (``master_weights_dtype`` and ``optimizer_states_dtype`` bf16, bf16 runs): on the device
+    the parameters are the master, offloaded the host keeps a bf16 master, and the optimizer
+    state is kept in half the bytes.
     ``optimizer_states_16bit`` (``optimizer_states_dtype`` alone, bf16 runs; on the device or
     offloaded to the host): the optimizer state in half the bytes."""
     if stage not in (0, 1, 2, 3):
@@ -80,8 +81,8 @@ def model_state_bytes(
         "optimizer_states": optimizer_bytes_per_param * shard,
     }
     if storage_16bit:
-        if precision != "bf16" or offload or offload_param:
-            raise ValueError("storage_16bit needs precision bf16 and no offload")
+        if precision != "bf16" or offload_param:
+            raise ValueError("storage_16bit needs precision bf16 and no offload_param")
         report["master_weights"] = 0.0
     if storage_16bit or optimizer_states_16bit:
         if precision != "bf16":
@@ -97,7 +98,7 @@ def model_state_bytes(
         if stage == 0:
             raise ValueError("offload needs stage 1, 2 or 3")
         host["host_grads"] = 0.0 if between_steps else 4 * shard  # fp32, as CPU Adam reads it
-        host["host_master_weights"] = 4 * shard
+        host["host_master_weights"] = (2 if storage_16bit else 4) * shard
         host["host_optimizer_states"] = report["optimizer_states"]
         report["grads"] = b * P if stage < 2 else 0.0  # the device shard goes to the host
         report["master_weights"] = 0.0

@@ -57,8 +57,7 @@ def check_offload_settings(config) -> None:
 
 def check_storage_dtypes(config) -> None:
     """``master_weights_dtype`` / ``optimizer_states_dtype``: 16-bit storage of what the step
-    keeps. bf16 masters on the device only (`CompactMaster`: the parameters are the master);
-    bf16 optimizer state on the device or, with ``offload_optimizer: cpu``, in host memory."""
+    keeps: on the device, or with ``offload_optimizer: cpu`` in host memory; not in swap files."""
     for key in ("master_weights_dtype", "optimizer_states_dtype"):
         value = getattr(config, key)
         one_of(key, value, ("fp32", "bf16"))
@@ -69,11 +68,8 @@ def check_storage_dtypes(config) -> None:
                 f"zero config: '{key}' = 'bf16' needs 'precision' = 'bf16' (16-bit storage of "
                 f"a bf16 run's step); got {config.precision!r}"
             )
-        host_state = key == "optimizer_states_dtype" and config.offload_optimizer == "cpu"
-        if config.offload_optimizer != "none" and not host_state:
-            kept = "fp32 masters" if key == "master_weights_dtype" else "fp32 state in swap files"
+        if config.offload_optimizer == "nvme":
             raise NotImplementedError(
-                f"hf_zero: '{key}' = 'bf16' with 'offload_optimizer' = "
-                f"{config.offload_optimizer!r} is not implemented: the offloaded step keeps "
-                f"{kept}; set one of them back"
+                f"hf_zero: '{key}' = 'bf16' with 'offload_optimizer' = 'nvme' is not "
+                "implemented: swap files hold fp32 masters and state; set one of them back"
             )

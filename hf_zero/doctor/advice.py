@@ -189,17 +189,21 @@ def _storage_16bit(d: Diagnosis, now: dict, add) -> None:
 
 
 def _host_states_16bit(d: Diagnosis, now: dict, add) -> None:
-    """An offloaded bf16 run's Adam moments in host memory: keep them in bf16 (the masters stay
-    fp32 on the host), widened a tile at a time for the step."""
-    o = now.get("host_optimizer_states", 0)
-    if not o or d.config.get("optimizer_states_dtype") == "bf16":
+    """An offloaded bf16 run's fp32 master weights and Adam moments in host memory: keep both
+    in bf16, widened to fp32 for each bucket's (or tile's) step."""
+    c = d.config
+    m, o = now.get("host_master_weights", 0), now.get("host_optimizer_states", 0)
+    on = c.get("master_weights_dtype") == "bf16", c.get("optimizer_states_dtype") == "bf16"
+    if not m + o or all(on):
         return
-    objects = dict(now, host_optimizer_states=o // 2)
-    extra = 3 * o / (ASSUMED["copy_gbytes_per_s"] * 1e9)  # one more read and write of the state
-    add("storage_16bit", "bf16 optimizer state in host memory (fp32 arithmetic per tile)",
-        ["--zero_optimizer_states_dtype", "bf16"], objects, d.step_s + extra,
-        f"{mib(o - o // 2)} of fp32 Adam state on the host",
-        ["bit-identical to bf16 state on the device (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
+    objects = dict(now, host_master_weights=m if on[0] else m // 2)
+    objects["host_optimizer_states"] = o if on[1] else o // 2
+    extra = 3 * (m + o) / (ASSUMED["copy_gbytes_per_s"] * 1e9)  # one more read and write
+    flags = ["--zero_master_weights_dtype", "bf16", "--zero_optimizer_states_dtype", "bf16"]
+    saved = sum(now.values()) - sum(objects.values())
+    add("storage_16bit", "bf16 master weights and optimizer state in host memory", flags,
+        objects, d.step_s + extra, f"{mib(saved)} of fp32 masters and Adam state on the host",
+        ["bit-identical to bf16 storage on the device (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
 
 
 def _offload_param(d: Diagnosis, now: dict, add) -> None:

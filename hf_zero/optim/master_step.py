@@ -28,6 +28,7 @@ import torch
 from hf_zero.optim.cpu_adam import DEFAULT_TILE, CPUAdam, adam_step, supports_fast_step
 from hf_zero.optim.streamed_step import streamed_step
 from hf_zero.sharding.flat_group import FlatParamGroup
+from hf_zero.sharding.master import HostCompactMaster
 
 
 class MasterStep:
@@ -112,6 +113,15 @@ class HostStep(MasterStep):
                 optimizer.step()
 
 
+class BucketHostStep(DeviceStep):
+    """ZeRO-Offload with bf16 masters (`HostCompactMaster`): one bucket at a time, as on the
+    device, each stepped in fp32 on a one-bucket copy and rounded back into the host's bf16
+    master, which is then copied to the device whole (the updated shard, after its bucket)."""
+
+    offload = True
+    overlap_copy_back = False  # no tiles: each shard is sent after its bucket's step
+
+
 class SplitStep(MasterStep):
     """Masters in two places, each part stepped by its own kind, ``first`` before ``host``.
     Partial offload (``offload_optimizer_ratio``): the device buckets' step is issued first; on
@@ -119,7 +129,7 @@ class SplitStep(MasterStep):
     (``offload_optimizer_max_in_cpu``): the buckets in swap files stream, then the cached ones
     step in memory."""
 
-    def __init__(self, first: DeviceStep | StreamedStep, host: HostStep) -> None:
+    def __init__(self, first: DeviceStep | StreamedStep, host: HostStep | BucketHostStep) -> None:
         super().__init__(host.optimizer, first.groups + host.groups)
         self.first, self.host = first, host
         self.fast_kernel = host.fast_kernel
@@ -192,7 +202,11 @@ def master_step(
             at.setdefault(g.master_weights.location, []).append(g)
     kinds = {
         "device": lambda part: DeviceStep(optimizer, part),
-        "host": lambda part: HostStep(optimizer, part, fast_kernel),
+        "host": lambda part: (
+            BucketHostStep(optimizer, part)
+            if isinstance(part[0].master_weights, HostCompactMaster)
+            else HostStep(optimizer, part, fast_kernel)
+        ),
         "nvme": lambda part: StreamedStep(optimizer, part, fast_kernel, buffer_count),
     }
     if len(at) == 2 and "host" in at:

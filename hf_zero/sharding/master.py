@@ -180,8 +180,10 @@ class HostMaster(MasterWeights):
     location = "host"
     lands_early = True
 
-    def __init__(self, values: torch.Tensor, world: int, pin: bool) -> None:
-        host = torch.empty(values.numel(), dtype=torch.float32, device="cpu", pin_memory=pin)
+    def __init__(
+        self, values: torch.Tensor, world: int, pin: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
+        host = torch.empty(values.numel(), dtype=dtype, device="cpu", pin_memory=pin)
         super().__init__(host.copy_(values), world)
         self.pin = pin
         self._sent = False
@@ -294,18 +296,19 @@ class SwappedMaster(HostMaster):
         return {"grads": grads, **self.swapped.held_bytes()}
 
 
-class CompactMaster(AliasedMaster):
-    """``master_weights_dtype: bf16``: the master is the parameters' own 16-bit values (no fp32
-    copy: 4 bytes per element less). Each bucket's step runs in fp32 on a temporary copy of its
-    shard (the gradient, as the optimizer sees it, is fp32 too) and is rounded back into the
-    parameters stochastically (`to_bf16_stochastic`, seeded by ``salt`` and the optimizer's
-    step count, so a resumed run rounds as an uninterrupted one); between steps nothing of it
-    is fp32. The gradient is held on an fp32 slot the shape of the shard, which has no memory of
-    its own."""
+class RoundedToBf16:
+    """What a bf16 master (``master_weights_dtype: bf16``) adds to its kind: each bucket's step
+    runs in fp32 on a temporary copy of the shard (the gradient, as the optimizer sees it, is
+    fp32 too) and is rounded back into the bf16 master stochastically (`to_bf16_stochastic`,
+    seeded by ``salt`` and the optimizer's step count, so a resumed run rounds as an
+    uninterrupted one); between steps nothing of it is fp32. The gradient is held on an fp32
+    slot the shape of the shard, which has no memory of its own."""
 
-    def __init__(self, view: torch.Tensor, world: int, complete: bool, salt: int = 0) -> None:
-        super().__init__(view, world, complete)
-        slot = torch.zeros(1, dtype=torch.float32, device=view.device).expand(view.numel())
+    param: torch.nn.Parameter
+
+    def _round_in_bf16(self, world: int, salt: int) -> None:
+        slot = torch.zeros(1, dtype=torch.float32, device=self.param.device)
+        slot = slot.expand(self.param.numel())
         self.grads = GradStore(torch.nn.Parameter(slot, requires_grad=False), world)
         self.salt = salt
         self._steps = 0  # the seed's count for optimizers that keep no ``step`` state
@@ -326,6 +329,25 @@ class CompactMaster(AliasedMaster):
             step = state.get("step", self._steps)
             seed = (self.salt * 1_000_003 + int(step)) % (1 << 63)
             self.param.detach().copy_(to_bf16_stochastic(work.detach(), seed))
+
+
+class CompactMaster(RoundedToBf16, AliasedMaster):
+    """``master_weights_dtype: bf16`` on the device: the master is the parameters' own 16-bit
+    values (no fp32 copy: 4 bytes per element less), stepped as `RoundedToBf16` says."""
+
+    def __init__(self, view: torch.Tensor, world: int, complete: bool, salt: int = 0) -> None:
+        super().__init__(view, world, complete)
+        self._round_in_bf16(world, salt)
+
+
+class HostCompactMaster(RoundedToBf16, HostMaster):
+    """``master_weights_dtype: bf16`` with ``offload_optimizer: cpu``: the host keeps a bf16
+    master (2 bytes per element instead of 4), stepped a bucket at a time as `RoundedToBf16`
+    says (`BucketHostStep`); the updated shard is copied to the device after its bucket."""
+
+    def __init__(self, values: torch.Tensor, world: int, pin: bool, salt: int = 0) -> None:
+        super().__init__(values, world, pin, torch.bfloat16)
+        self._round_in_bf16(world, salt)
 
 
 def _elementwise(value, numel: int) -> bool:
@@ -366,7 +388,11 @@ def master_weights(
     if offload == "nvme":  # fp32 parameters in a swap file there: one file for both
         return SwappedMaster(swap, values, world, placement.master_file(swap) if fp32 else None)
     if offload == "cpu":
-        master = HostMaster(values, world, pin)
+        master = (
+            HostCompactMaster(values, world, pin, salt)
+            if compact
+            else HostMaster(values, world, pin)
+        )
         master.state_dtype = state_dtype
         return master
     alias = placement.master_view() if fp32 or compact else None

@@ -239,10 +239,10 @@ def test_16bit_storage_is_proposed_where_fp32_state_is_at_the_peak():
     assert sum(d.makeup.values()) - change.peak_bytes == (4 << 20) + (4 << 20), change
     d.config = {**d.config, "precision": "fp32"}
     assert not any(c.kind == "storage_16bit" for c in recommend(d))
-    # Offloaded: the host's fp32 Adam moments, halved (the host keeps fp32 masters).
+    # Offloaded: the host's fp32 masters and Adam moments, halved.
     d.config = {**d.config, "precision": "bf16", "offload_optimizer": "cpu"}
     d.makeup = {**d.makeup, "master_weights": 0, "optimizer_states": 0}
-    d.makeup["host_optimizer_states"] = 8 << 20
+    d.makeup.update(host_master_weights=4 << 20, host_optimizer_states=8 << 20)
     change = next(c for c in recommend(d) if c.kind == "storage_16bit")
-    assert change.flags == ["--zero_optimizer_states_dtype", "bf16"]
-    assert sum(d.makeup.values()) - change.peak_bytes == 4 << 20, change
+    assert change.flags[-2:] == ["--zero_optimizer_states_dtype", "bf16"]
+    assert sum(d.makeup.values()) - change.peak_bytes == (2 << 20) + (4 << 20), change

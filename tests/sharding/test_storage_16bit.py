@@ -126,6 +126,7 @@ def _resume(load: str | None, save: str | None, steps: range, cfg: dict) -> dict
 RESUMED = {
     "device": STORAGE["bf16 both"],
     "offloaded": {"optimizer_states_dtype": "bf16", "offload_optimizer": "cpu"},
+    "offloaded with bf16 masters": {**STORAGE["bf16 both"], "offload_optimizer": "cpu"},
 }
 
 
@@ -153,12 +154,11 @@ def test_16bit_storage_keys_are_read_and_checked():
         ZeroConfig(stage=3, master_weights_dtype="bf16")
     with pytest.raises(ValueError, match=r"'optimizer_states_dtype' = 'fp16' is not allowed"):
         ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="fp16")
+    host_masters = ZeroConfig(stage=3, precision="bf16", master_weights_dtype="bf16",
+                              offload_optimizer="cpu")  # fmt: skip
+    assert host_masters.master_weights_dtype == "bf16"
     with pytest.raises(
-        NotImplementedError, match=r"'offload_optimizer' = 'cpu' is not implemented"
-    ):
-        ZeroConfig(stage=3, precision="bf16", master_weights_dtype="bf16", offload_optimizer="cpu")
-    with pytest.raises(
-        NotImplementedError, match=r"'offload_optimizer' = 'nvme' is not implemented.*swap files"
+        NotImplementedError, match=r"'offload_optimizer' = 'nvme' is not implemented: swap files"
     ):
         ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
                    offload_optimizer="nvme", nvme_path="/tmp")  # fmt: skip
@@ -175,14 +175,15 @@ def cpu_adam(groups):
     return CPUAdam(groups)  # its own state dtype (fp32) is overridden by the config's
 
 
-def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool) -> dict:
-    """bf16 optimizer state on the device, then with ``offload_optimizer: cpu``."""
+def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool, masters: str) -> dict:
+    """bf16 optimizer state (and ``masters``) on the device, then with
+    ``offload_optimizer: cpu``."""
     runs = {}
     for offload in ("none", "cpu"):
         losses, params, engine = train_zero(
             3, 2, 0.3, stage, precision="bf16", make_optimizer=make_optimizer,
-            optimizer_states_dtype="bf16", offload_optimizer=offload,
-            offload_optimizer_fast_kernel=fast_kernel,
+            optimizer_states_dtype="bf16", master_weights_dtype=masters,
+            offload_optimizer=offload, offload_optimizer_fast_kernel=fast_kernel,
         )  # fmt: skip
         moments = {
             v.dtype
@@ -195,6 +196,7 @@ def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool) -> dict:
             "report": engine.memory_report(),
             "shard": sum(g.layout.shard_numel for g in engine.groups),
             "buckets": len(engine.groups),
+            "step": type(engine.optimizer.master_step).__name__,
         }  # fmt: skip
     return runs
 
@@ -211,7 +213,8 @@ def test_bf16_optimizer_state_offloaded_equals_it_on_the_device(stage, make_opti
     the same arithmetic and rounding, so losses and parameters equal the on-device run bit for
     bit. The host holds 4 bytes of master and 4 of moments per shard element (plus step
     counters), as `hf-zero estimate`'s ``cpu+bf16`` rows say."""
-    for r in run_distributed(_offloaded_states, 2, args=(stage, make_optimizer, fast_kernel)):
+    args = (stage, make_optimizer, fast_kernel, "fp32")
+    for r in run_distributed(_offloaded_states, 2, args=args):
         device, host = r["none"], r["cpu"]
         assert host["losses"] == device["losses"]
         assert all(torch.equal(host["params"][k], device["params"][k]) for k in device["params"])
@@ -223,3 +226,24 @@ def test_bf16_optimizer_state_offloaded_equals_it_on_the_device(stage, make_opti
         counters = 8 * host["buckets"]
         states = report["host_optimizer_states"] - estimate["host_optimizer_states"]
         assert estimate["host_optimizer_states"] == 4 * shard and 0 <= states <= counters, report
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_master_weights_offloaded_equal_them_on_the_device(stage):
+    """``master_weights_dtype: bf16`` with ``offload_optimizer: cpu`` (DeepSpeed's
+    ``bf16_master_weights_and_grads`` with ZeRO-Offload): the host keeps a bf16 master, steps
+    each bucket in fp32 on a one-bucket copy and rounds it back with the same seeds as the
+    device's bf16 master, so losses and parameters equal the on-device run bit for bit. The
+    host holds 2 bytes of master and 4 of moments per shard element (plus step counters), as
+    `hf-zero estimate`'s ``cpu+bf16`` rows say."""
+    for r in run_distributed(_offloaded_states, 2, args=(stage, adamw, False, "bf16")):
+        device, host = r["none"], r["cpu"]
+        assert host["step"] == "BucketHostStep" and device["step"] == "DeviceStep", r
+        assert host["losses"] == device["losses"]
+        assert all(torch.equal(host["params"][k], device["params"][k]) for k in device["params"])
+        report, shard = host["report"], host["shard"]
+        estimate = model_state_bytes(shard, 1, 1, "bf16", offload=True, storage_16bit=True)
+        assert report["host_master_weights"] == estimate["host_master_weights"] == 2 * shard
+        states = report["host_optimizer_states"] - estimate["host_optimizer_states"]
+        assert 0 <= states <= 8 * host["buckets"], report
+        assert report["master_weights"] == report["optimizer_states"] == 0, report
