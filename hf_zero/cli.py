@@ -181,15 +181,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         rows += [(s, False, False, True) for s in (1, 2, 3)]
         rows += [(s, True, False, True) for s in (1, 2, 3)]
     for stage, offload, offload_param, compact in rows:
-        kinds = dict(storage_16bit=compact, optimizer_states_16bit=compact)
         m = estimate(
             shape, args.dp, stage, args.precision, offload, args.tp, args.hpz, frozen,
-            args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param, **kinds,
+            args.mixz, gradient_accumulation_steps=gas, offload_param=offload_param,
+            storage_16bit=compact,
         )  # fmt: skip
         work = working_set_bytes(shape, stage, args.precision, args.tp)
         label = "opt+param" if offload_param else str(offload)
         label = ("cpu+bf16" if offload else "bf16 opt") if compact else label
-        hf = formula(stage, args.precision, offload, gas, offload_param, **kinds)
+        hf = formula(stage, args.precision, offload, gas, offload_param, compact)
         # Stage 3's working set needs the layer sizes (--model / --model-config).
         known = stage < 3 or shape.largest_unit_params
         work_text = f"{work / gib:>14.2f}" if known else f"{'unknown':>14}"

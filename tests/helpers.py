@@ -391,6 +391,11 @@ def load_quantized(path: str, quant: str, dtype=torch.bfloat16, lora: bool = Tru
     return model.train()  # as the Trainer does (from_pretrained leaves eval mode)
 
 
+LOOPBACK_TOLERANCE = (0.995, 1.05)
+"""lo tx bytes / booked wire bytes: at least the payload (minus rounding), at most +5% of headers
+(TCP/IP about 52 B per 64 KiB segment plus ACKs, gloo's message headers: +0.09% to +1.4% seen)."""
+
+
 def loopback_tx_bytes() -> int | None:
     """The loopback interface's transmitted bytes (``/proc/net/dev``), None where unreadable. In
     the test workers' own network namespaces (tests/conftest.py) only their runs count."""

@@ -162,48 +162,42 @@ def _offload(d: Diagnosis, now: dict, stage: int, add) -> None:
         _offload_param(d, now, add)
 
 
+STORAGE_16BIT_PLACES = {
+    # offload_optimizer -> (prefix of the memory kinds, the master's bytes kept per fp32 byte,
+    # the evidence shown with the change)
+    "none": ("", 0, "loss within 1% of fp32 masters over 200 steps"),
+    "cpu": ("host_", 0.5, "bit-identical to bf16 storage on the device"),
+}
+"""Where a bf16 run's masters and Adam state live, and what keeping them in bf16 leaves there:
+on the device the bf16 parameters become the master (no copy); on the host a bf16 master."""
+
+
 def _storage_16bit(d: Diagnosis, now: dict, add) -> None:
-    """bf16 runs whose peak holds fp32 master weights or optimizer state on the device: keep
-    both in bf16 (the bf16 parameters are the master; Adam's moments halve). Each bucket's step
-    widens its part to fp32 and back: one bucket's fp32 copy at a time, not counted."""
+    """bf16 runs whose peak holds fp32 master weights or optimizer state, on the device or
+    offloaded to the host: keep both in bf16 (Adam's moments halve; the master as
+    `STORAGE_16BIT_PLACES` says). Each bucket's step widens its part to fp32 and back: one
+    bucket's fp32 copy at a time, not counted."""
     c = d.config
-    m, o = now.get("master_weights", 0), now.get("optimizer_states", 0)
-    if c.get("precision") == "bf16" and c.get("offload_optimizer") == "cpu":
-        _host_states_16bit(d, now, add)
+    place = STORAGE_16BIT_PLACES.get(c.get("offload_optimizer") or "none")
+    if c.get("precision") != "bf16" or place is None or (c.get("pp_size") or 1) > 1:
         return
-    if c.get("precision") != "bf16" or c.get("offload_optimizer") not in (None, "none"):
-        return
-    if (c.get("pp_size") or 1) > 1 or not m + o:
-        return
-    on = c.get("master_weights_dtype") == "bf16", c.get("optimizer_states_dtype") == "bf16"
-    if all(on):
-        return
-    objects = dict(now, master_weights=0, optimizer_states=o if on[1] else o // 2)
-    # Widening and narrowing read and write the state once more per step: memory-bound.
-    extra = 3 * (m + o) / (ASSUMED["copy_gbytes_per_s"] * 1e9)
-    flags = ["--zero_master_weights_dtype", "bf16", "--zero_optimizer_states_dtype", "bf16"]
-    add("storage_16bit", "bf16 master weights and optimizer state (fp32 arithmetic per bucket)",
-        flags, objects, d.step_s + extra,
-        f"{mib(sum(now.values()) - sum(objects.values()))} of fp32 masters and Adam state",
-        ["loss within 1% of fp32 masters over 200 steps (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
-
-
-def _host_states_16bit(d: Diagnosis, now: dict, add) -> None:
-    """An offloaded bf16 run's fp32 master weights and Adam moments in host memory: keep both
-    in bf16, widened to fp32 for each bucket's (or tile's) step."""
-    c = d.config
-    m, o = now.get("host_master_weights", 0), now.get("host_optimizer_states", 0)
+    prefix, master_kept, evidence = place
+    master, states = f"{prefix}master_weights", f"{prefix}optimizer_states"
+    m, o = now.get(master, 0), now.get(states, 0)
     on = c.get("master_weights_dtype") == "bf16", c.get("optimizer_states_dtype") == "bf16"
     if not m + o or all(on):
         return
-    objects = dict(now, host_master_weights=m if on[0] else m // 2)
-    objects["host_optimizer_states"] = o if on[1] else o // 2
-    extra = 3 * (m + o) / (ASSUMED["copy_gbytes_per_s"] * 1e9)  # one more read and write
+    objects = dict(now)
+    objects[master] = m if on[0] else int(m * master_kept)
+    objects[states] = o if on[1] else o // 2
+    # Widening and narrowing read and write the state once more per step: memory-bound.
+    extra = 3 * (m + o) / (ASSUMED["copy_gbytes_per_s"] * 1e9)
     flags = ["--zero_master_weights_dtype", "bf16", "--zero_optimizer_states_dtype", "bf16"]
-    saved = sum(now.values()) - sum(objects.values())
-    add("storage_16bit", "bf16 master weights and optimizer state in host memory", flags,
-        objects, d.step_s + extra, f"{mib(saved)} of fp32 masters and Adam state on the host",
-        ["bit-identical to bf16 storage on the device (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
+    where = " in host memory" if prefix else ""
+    add("storage_16bit", f"bf16 master weights and optimizer state{where} (fp32 arithmetic per "
+        "bucket)", flags, objects, d.step_s + extra,
+        f"{mib(sum(now.values()) - sum(objects.values()))} of fp32 masters and Adam state{where}",
+        [f"{evidence} (tests/sharding/test_storage_16bit.py)"])  # fmt: skip
 
 
 def _offload_param(d: Diagnosis, now: dict, add) -> None:

@@ -99,24 +99,19 @@ class HostStep(MasterStep):
     def __call__(self) -> None:
         on_tile = self._copy_back if self.overlap_copy_back else None
         optimizer = self.optimizer
-        if isinstance(optimizer, CPUAdam) or self.fast_kernel:
-            tile = getattr(optimizer, "tile_numel", DEFAULT_TILE)
-            with _narrowed(optimizer, self.groups):
+        with _narrowed(optimizer, self.groups):
+            if _tiled(optimizer, self.fast_kernel):
+                tile = getattr(optimizer, "tile_numel", DEFAULT_TILE)
                 adam_step(optimizer, tile, self.state_dtype, on_tile)  # widens bf16 state by tile
-            return
-        if all(g.master_weights.state_dtype is None for g in self.groups):
-            with _narrowed(optimizer, self.groups):
+            else:
                 optimizer.step()  # any other elementwise optimizer, untiled
-            return
-        for g in self.groups:  # 16-bit state: widened for the step a bucket at a time
-            with _narrowed(optimizer, [g]), g.master_weights.stepped(optimizer):
-                optimizer.step()
 
 
 class BucketHostStep(DeviceStep):
-    """ZeRO-Offload with bf16 masters (`HostCompactMaster`): one bucket at a time, as on the
-    device, each stepped in fp32 on a one-bucket copy and rounded back into the host's bf16
-    master, which is then copied to the device whole (the updated shard, after its bucket)."""
+    """ZeRO-Offload stepped one bucket at a time, as on the device, where the host keeps bf16
+    (`MasterWeights.stepped`): bf16 masters (`HostCompactMaster`), or bf16 state for an
+    optimizer the tiled kernel does not run. Each bucket is stepped in fp32 on a one-bucket
+    copy and rounded back; the updated shard is then copied to the device whole."""
 
     offload = True
     overlap_copy_back = False  # no tiles: each shard is sent after its bucket's step
@@ -181,6 +176,25 @@ class StreamedStep(MasterStep):
         )  # fmt: skip
 
 
+def _tiled(optimizer: torch.optim.Optimizer, fast_kernel: bool) -> bool:
+    """Whether an offloaded step runs `adam_step` over tiles (`CPUAdam`, or the fast kernel)."""
+    return isinstance(optimizer, CPUAdam) or fast_kernel
+
+
+def _host_step(
+    optimizer: torch.optim.Optimizer, groups: list[FlatParamGroup], fast_kernel: bool
+) -> HostStep | BucketHostStep:
+    """The step for masters in host memory: tiled in place, unless they are kept in bf16
+    where the tiles cannot widen them (see `BucketHostStep`)."""
+    master = groups[0].master_weights
+    untiled_16bit = master.state_dtype is not None and not _tiled(
+        optimizer, _fast_kernel(optimizer, fast_kernel)
+    )
+    if isinstance(master, HostCompactMaster) or untiled_16bit:
+        return BucketHostStep(optimizer, groups)
+    return HostStep(optimizer, groups, fast_kernel)
+
+
 def _fast_kernel(optimizer: torch.optim.Optimizer, wanted: bool) -> bool:
     """Whether an offloaded step runs torch's fused CPU Adam kernel for the user's optimizer
     (`CPUAdam` tiles its own)."""
@@ -202,11 +216,7 @@ def master_step(
             at.setdefault(g.master_weights.location, []).append(g)
     kinds = {
         "device": lambda part: DeviceStep(optimizer, part),
-        "host": lambda part: (
-            BucketHostStep(optimizer, part)
-            if isinstance(part[0].master_weights, HostCompactMaster)
-            else HostStep(optimizer, part, fast_kernel)
-        ),
+        "host": lambda part: _host_step(optimizer, part, fast_kernel),
         "nvme": lambda part: StreamedStep(optimizer, part, fast_kernel, buffer_count),
     }
     if len(at) == 2 and "host" in at:

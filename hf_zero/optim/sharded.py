@@ -21,7 +21,7 @@ from hf_zero.comm import Collectives
 from hf_zero.comm.topology import Group
 from hf_zero.numerics.precision import LossScaler
 from hf_zero.observe import clock
-from hf_zero.optim.master_step import HostStep, master_step
+from hf_zero.optim.master_step import BucketHostStep, HostStep, master_step
 from hf_zero.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class ShardedOptimizer:
 
     @overlap_copy_back.setter
     def overlap_copy_back(self, on: bool) -> None:
-        if not isinstance(self.master_step, HostStep):
+        if not isinstance(self.master_step, (HostStep, BucketHostStep)):
             raise ValueError("hf_zero: overlap_copy_back applies to offload_optimizer: cpu only")
         self.master_step.overlap_copy_back = on
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, build_model, loopback_tx_bytes, two_param_groups
+from helpers import LOOPBACK_TOLERANCE, batch, build_model, loopback_tx_bytes, two_param_groups
 
 import hf_zero
 from hf_zero.comm import Collectives
@@ -279,9 +279,7 @@ def test_every_call_of_a_stage3_tp_or_sp_run_is_booked(tmp_path, parallel, world
 
 # --- (c) from outside: the loopback interface's byte counters ------------------------------------
 LOOPBACK_MIB = 20
-TOLERANCE = (0.995, 1.05)
-"""lo tx bytes / booked wire bytes: at least the payload (minus rounding), at most +5% of headers
-(TCP/IP about 52 B per 64 KiB segment plus ACKs, gloo's message headers: +0.09% to +1.4% seen)."""
+TOLERANCE = LOOPBACK_TOLERANCE
 
 
 def _loopback_windows(attempts: int) -> dict:

@@ -16,13 +16,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import build_model, loopback_tx_bytes
+from helpers import LOOPBACK_TOLERANCE, build_model, loopback_tx_bytes
 
 import hf_zero
 from hf_zero.testing import run_distributed
 
-TOLERANCE = (0.995, 1.05)
-"""lo tx bytes / booked wire bytes (as tests/comm/test_comm_wire.py allows: headers and ACKs)."""
+TOLERANCE = LOOPBACK_TOLERANCE
 HIDDEN, SEQ, MICRO, PER_MICRO, STEPS = 256, 128, 4, 2, 3
 
 

@@ -21,11 +21,11 @@ and rounding as on the device, so the two runs are equal bit for bit.
 import pytest
 import torch
 from helpers import BUCKET, adamw, train_on_corpus, train_steps, train_zero
+from test_offload import cpu_adam, fused_adamw  # CPUAdam: its fp32 state overridden
 
 import hf_zero
 from hf_zero.config.zero_config import ZeroConfig
 from hf_zero.memory import model_state_bytes
-from hf_zero.optim import CPUAdam
 from hf_zero.testing import run_distributed
 from hf_zero.tiny import tiny_llama
 
@@ -165,14 +165,6 @@ def test_16bit_storage_keys_are_read_and_checked():
     host = ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
                       offload_optimizer="cpu")  # fmt: skip
     assert host.optimizer_states_dtype == "bf16"
-
-
-def fused_adamw(groups):
-    return torch.optim.AdamW(groups, fused=True)  # the kernel the offloaded step runs
-
-
-def cpu_adam(groups):
-    return CPUAdam(groups)  # its own state dtype (fp32) is overridden by the config's
 
 
 def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool, masters: str) -> dict:
