@@ -15,31 +15,21 @@ def test_bf16_stages_equal_bf16_training_with_fp32_master_weights():
     """bf16: the stages compute in bf16 and step fp32 master weights; the reference is one
     process doing the same by hand (a bf16 model, an fp32 copy stepped), each micro-batch's
     backward in turn as the schedule runs them. Untied, on one replica, the same arithmetic:
-    losses equal bit for bit and the saved model (the masters) to fp32's parity tolerance."""
+    losses and the saved model (the masters) equal bit for bit, the gradient norms to their
+    summation order (1e-6)."""
     kwargs = {"stage": 0, "precision": "bf16"}
     results = run_distributed(_train, 2, args=(2, "1f1b", False), kwargs=kwargs)
-    _check_training(results, pp=2, loss_tol=0.0)
+    _check_training(results, pp=2, loss_tol=0.0, param_tol=0.0, norm_tol=1e-6)
 
 
 def test_fp16_stages_scale_each_micro_batch_loss_and_equal_fp16_training():
     """fp16 with a fixed loss scale (1024): each micro-batch's backward in the schedule starts
     from the scaled loss, the step unscales into the fp32 masters; untied on one replica
-    against one process doing so by hand: the first step's unscaled gradient norm equal to
-    1e-6, then losses to 1e-5 and masters and norms within `FP16_TOL`."""
+    against one process doing so by hand: losses and masters equal bit for bit, the unscaled
+    gradient norms to their summation order (1e-6)."""
     kwargs = {"stage": 0, "precision": "fp16", "loss_scale": 1024.0}
     results = run_distributed(_train, 2, args=(2, "1f1b", False), kwargs=kwargs)
-    for r in results:  # the first step's gradients, unscaled: the same numbers
-        assert abs(r["norms"][0] / r["ref_norms"][0] - 1) <= 1e-6, r
-    _check_training(results, pp=2, param_tol=FP16_TOL, loss_tol=1e-5, relative=True,
-                    norm_tol=FP16_TOL)  # fmt: skip
-
-
-FP16_TOL = 1e-3
-"""fp16 against the hand-kept reference, from the second step on: the clip coefficient is
-computed from the shards' norm in double, torch's in fp32, so a master weight can differ by one
-fp32 rounding, and where that lands on the other side of an fp16 rounding boundary the stage's
-fp16 weight differs by one fp16 step (2^-11 relative). Measured after 3 steps: 2.3e-4 norm-wise
-in the masters, 1e-4 in the gradient norm, 4e-6 in the losses (fp32 and bf16 stay at 1e-7)."""
+    _check_training(results, pp=2, loss_tol=0.0, param_tol=0.0, norm_tol=1e-6)
 
 
 def _overflowing(scale_power: int) -> dict:
@@ -99,14 +89,15 @@ def test_bf16_stages_times_two_replicas_zero_2_tied():
         assert master <= memory["master_weights"] <= master + 4 * pad, (memory, formula)
 
 
-BF16_TOL = 1e-2
-"""PP 2 x DP 2 in bf16 with tied embeddings against the one-process reference: losses to 1e-2
-and the fp32 master weights to 1e-2 norm-wise relative, as tests/sharding/test_parity.py allows
-ZeRO-2 against DDP in bf16 (measured here: 5.7e-3 in parameters, 8e-4 in losses, after 3 steps;
-untied and on one replica the two are equal, the test above). Two sums are rounded to bf16 at
-other points than the reference's: the tied weight's two copies' gradients, added across the
-first and last stage where one process accumulates both into one ``.grad``, and the replicas'
-gradients, summed by the collective where the reference adds them in Python."""
+BF16_TOL = 2e-2
+"""PP 2 x DP 2 in bf16 with tied embeddings against the one-process reference, losses and the
+fp32 master weights norm-wise relative (untied and on one replica the two are equal, the test
+above). Two sums are rounded to bf16 at other points than the reference's: the tied weight's two
+copies' gradients, added across the first and last stage where one process accumulates both
+into one ``.grad``, and the replicas' gradients, summed by the collective where the reference
+adds them in Python. How far that carries depends on the CPU's bf16 kernels; measured after 3
+steps: 5.6e-3 in the masters with AVX-512 bf16 kernels, 1.1e-2 with AVX2 ones (oneDNN and ATen
+limited to AVX2, as on a CPU without bf16 instructions); 1e-3 in the losses."""
 
 
 STORAGE_16BIT = {"master_weights_dtype": "bf16", "optimizer_states_dtype": "bf16"}
@@ -115,9 +106,9 @@ STORAGE_16BIT = {"master_weights_dtype": "bf16", "optimizer_states_dtype": "bf16
 def test_bf16_optimizer_states_in_stages_equal_the_reference_bit_for_bit():
     """``optimizer_states_dtype: bf16`` inside stages: Adam's moments kept in bf16 between
     steps (widened for each step), the reference narrowing its own moments the same way after
-    each step; untied PP 2, no clipping (`NO_CLIP`): losses and fp32 masters equal bit for bit,
+    each step; untied PP 2: losses and fp32 masters equal bit for bit,
     and each rank holds 2 bytes per moment (up to padding)."""
-    kwargs = {"stage": 0, "precision": "bf16", "optimizer_states_dtype": "bf16", **NO_CLIP}
+    kwargs = {"stage": 0, "precision": "bf16", "optimizer_states_dtype": "bf16"}
     results = run_distributed(_train, 2, args=(2, "1f1b", False), kwargs=kwargs)
     _check_training(results, pp=2, loss_tol=0.0, param_tol=0.0, norm_tol=1e-6)
     for r in results:
@@ -125,20 +116,13 @@ def test_bf16_optimizer_states_in_stages_equal_the_reference_bit_for_bit():
         assert moments <= r["memory"]["optimizer_states"] <= moments + 4 * 16 * r["buckets"], r
 
 
-NO_CLIP = {"gradient_clipping": 0.0}
-"""The 16-bit storage cases compared bit for bit run without clipping: the engine computes the
-clip coefficient from the shards' norm in double, torch in fp32, so a clipped gradient can be
-one fp32 rounding apart (`FP16_TOL`), and a bf16 rounding of what is stepped from it can then
-fall the other way. Unclipped, torch multiplies by exactly 1. (The norms themselves: 1e-6.)"""
-
-
 def test_bf16_master_weights_in_stages_round_the_step_stochastically():
     """``master_weights_dtype: bf16`` inside stages: no fp32 copy is kept (the bf16 parameters
-    are the master); one step, unclipped (`NO_CLIP`), against the reference's fp32 update of the
+    are the master); one step against the reference's fp32 update of the
     same bf16 values. The losses are equal, and every stepped weight is one of the two bf16 values
     next to the reference's fp32 result (stochastic rounding: some round away from the nearest,
     measured: 23% of elements)."""
-    kwargs = {"stage": 0, "precision": "bf16", "steps": 1, **STORAGE_16BIT, **NO_CLIP}
+    kwargs = {"stage": 0, "precision": "bf16", "steps": 1, **STORAGE_16BIT}
     results = run_distributed(_train, 2, args=(2, "1f1b", False), kwargs=kwargs)
     # The masters are checked below, element by element.
     _check_training(results, pp=2, loss_tol=0.0, param_tol=float("inf"), norm_tol=1e-6)
@@ -181,8 +165,9 @@ def test_bf16_storage_in_stages_times_two_replicas_zero_1_tied():
         assert states <= memory["optimizer_states"] <= states + 4 * pad, (memory, formula)
 
 
-STORAGE_TOL = 2e-2
+STORAGE_TOL = 3e-2
 """bf16 master weights, PP 2 x DP 2 tied, against the reference, norm-wise relative: the two
-bf16 sums of `BF16_TOL` (5.7e-3 with fp32 masters) plus the rounding itself, which differs from
-the reference's nearest by one bf16 step (2^-8 relative) in about a quarter of the elements each
-step. Measured after 3 steps: 8.8e-3 in the masters, 1.7e-4 in the losses."""
+bf16 sums of `BF16_TOL` plus the rounding itself, which differs from the reference's nearest by
+one bf16 step (2^-8 relative) in about a quarter of the elements each step. Measured after 3
+steps: 9.3e-3 in the masters with AVX-512 bf16 kernels, 1.6e-2 with AVX2 ones; 1e-3 in the
+losses."""
