@@ -251,19 +251,19 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
         print("ZeRO-Infinity (NVMe) rows need the layer sizes: --model or --model-config")
         return
     gib = 2**30
-    print(
-        f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host GiB':>13} {'+ working set':>14} "
-        f"{'disk GiB':>9}"
-    )
-    rows = [("optimizer", False, 0, 0), ("opt+param", True, 0, 0)]
+    head = f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host GiB':>13} {'+ working set':>14}"
+    print(f"{head} {'disk GiB':>9}")
+    rows = [("optimizer", False, 0, 0, False), ("opt+param", True, 0, 0, False)]
     cached, held = int(args.max_in_cpu), int(args.optimizer_max_in_cpu)
     if cached or held:
-        rows.append(("+ cached", True, cached, held))
-    for label, offload_param, cached, held in rows:
+        rows.append(("+ cached", True, cached, held, False))
+    if args.precision == "bf16":  # optimizer_states_dtype: bf16, Adam's moments on disk in bf16
+        rows.append(("+ bf16 state", True, cached, held, True))
+    for label, offload_param, cached, held, state16 in rows:
         prefetch = int(0.9 * shape.hidden**2)  # stage3_prefetch_bucket_size: auto
         m = infinity_bytes(
             shape, args.dp, args.precision, offload_param, prefetch_bucket_size=prefetch,
-            param_cache_numel=cached, optimizer_cache_numel=held,
+            param_cache_numel=cached, optimizer_cache_numel=held, optimizer_states_16bit=state16,
         )  # fmt: skip
         print(
             f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "
@@ -273,8 +273,8 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
 
 
 def _print_memory_first_defaults(args: argparse.Namespace, shape) -> None:
-    """What a config that names no sizes gets under NVMe or parameter offload (the rows above
-    assume them): `ZeroConfig.resolved` decides, so this reads the same values."""
+    """The sizes a config that names none gets under NVMe or parameter offload (as the rows
+    above assume), read from `ZeroConfig.resolved`."""
     from hf_zero.config import ZeroConfig
     from hf_zero.memory import BYTES
 

@@ -341,6 +341,7 @@ def infinity_bytes(
     prefetch_bucket_size: int = 0,
     param_cache_numel: int = 0,
     optimizer_cache_numel: int = 0,
+    optimizer_states_16bit: bool = False,
 ) -> dict[str, float]:
     """ZeRO-Infinity per rank (stage 3, ``offload_optimizer: nvme``; ``offload_param: nvme``
     too with ``offload_param``): swap-file bytes by kind (``nvme_*``, as `memory_report()` names
@@ -357,20 +358,24 @@ def infinity_bytes(
     an upper bound: only whole shards are cached). ``optimizer_cache_numel``
     (``offload_optimizer_max_in_cpu``): that many elements of the optimizer shard keep master,
     gradient and Adam moments in host memory instead of swap files (``host_optimizer_cache``,
-    16 bytes each, also counted in the host column)."""
+    16 bytes each, also counted in the host column). ``optimizer_states_16bit``
+    (``optimizer_states_dtype: bf16``): the Adam moments are 2 bytes each, in their files and
+    in the cache (the tile sets stay counted at 4: an upper bound, which covers the tile widened
+    for the step)."""
     from hf_zero.optim.streamed_step import DEFAULT_TILE
 
     P, N, b = float(shape.params), float(dp_size), BYTES[precision]
     unit_shard = shape.largest_unit_params / N
     held = min(float(optimizer_cache_numel), P / N)  # optimizer elements in host memory
     streamed = P / N - held
+    moments = 4 if optimizer_states_16bit else 8  # bytes per element for exp_avg, exp_avg_sq
     report = {
         "params": 0.0 if offload_param else b * P / N,
         # fp32 parameters share the master's file where the master streams from disk.
         "nvme_params": (4 * held if precision == "fp32" else b * P / N) if offload_param else 0.0,
         "nvme_master_weights": 4 * streamed,
         "nvme_grads": 4 * streamed,
-        "nvme_optimizer_states": 8 * streamed,
+        "nvme_optimizer_states": moments * streamed,
     }
     report["nvme_total"] = sum(v for k, v in report.items() if k.startswith("nvme_"))
     read_ahead = param_buffer_count * b * unit_shard if offload_param else 0.0
@@ -378,7 +383,7 @@ def infinity_bytes(
     report["host_io_buffers"] = read_ahead + tiles
     cache = b * min(float(param_cache_numel), P / N) if offload_param else 0.0
     report["host_param_cache"] = cache
-    report["host_optimizer_cache"] = 16 * held
+    report["host_optimizer_cache"] = (8 + moments) * held
     report["host_io_buffers"] += cache + report["host_optimizer_cache"]
     # The reduce-scatter output of the reduction in flight (one unit's with reduce_bucket_size
     # `auto`, h^2 elements; more units' with a larger one) until it is written out.

@@ -141,8 +141,10 @@ def _run(optimizer, work: list[_GroupStep], fast_kernel, on_tile, buffer_count: 
         param.grad = slot.view(state, "grad")
         for factor in state.grads.factors:
             param.grad.mul_(factor)
+        # The optimizer steps fp32 state: a tile kept in bf16 is widened (a copy), an fp32 one
+        # is stepped in its buffer.
         tile_state = (
-            {} if step.initial else {key: slot.view(state, key) for key in state.state_keys}
+            {} if step.initial else {key: slot.view(state, key).float() for key in state.state_keys}
         )
         for key, value in state.scalars.items():
             tile_state[key] = value.clone() if torch.is_tensor(value) else value
@@ -153,11 +155,12 @@ def _run(optimizer, work: list[_GroupStep], fast_kernel, on_tile, buffer_count: 
             adam_step(optimizer) if fast_kernel else optimizer.step()
         finally:
             new_state = optimizer.state.pop(param, {})
-        if step.initial:
-            if k == 0:
-                _adopt_keys(state, new_state, end - start)
-            for key in state.state_keys:
-                slot.view(state, key).copy_(new_state[key].reshape(-1))
+        if step.initial and k == 0:
+            _adopt_keys(state, new_state, end - start)
+        for key in state.state_keys:  # new or widened state into the buffers (rounded to bf16)
+            view = slot.view(state, key)
+            if new_state[key].data_ptr() != view.data_ptr():
+                view.copy_(new_state[key].reshape(-1))
         step.scalars = {key: v for key, v in new_state.items() if key not in state.state_keys}
         on_tile(step.group, start, end, master)
         slot.store(state, ["master", *state.state_keys])
@@ -176,4 +179,4 @@ def _adopt_keys(state: SwappedState, new_state: dict, tile: int) -> None:
     tiles read and write it like the master; the buffer sets make its buffers on first use)."""
     for key, value in new_state.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.numel() == tile:
-            state.add_key(key, value.dtype)
+            state.add_key(key, state.kept_dtype(value))

@@ -240,11 +240,17 @@ class SwappedMaster(HostMaster):
     lands_early = True
 
     def __init__(
-        self, space: SwapSpace, values: torch.Tensor, world: int, file: SwapFile | None = None
+        self,
+        space: SwapSpace,
+        values: torch.Tensor,
+        world: int,
+        file: SwapFile | None = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         from hf_zero.sharding.swapped_state import SwappedState
 
-        self.swapped = SwappedState(space, values, world, file)
+        self.swapped = SwappedState(space, values, world, file, state_dtype)
+        self.state_dtype = state_dtype
         empty = torch.empty(0, dtype=torch.float32, device="cpu")  # the bytes are in the files
         self.param = torch.nn.Parameter(empty, requires_grad=False)
         self.grads = self.swapped.grads
@@ -386,7 +392,8 @@ def master_weights(
     state kept in that dtype between steps (``optimizer_states_dtype: bf16``); ``salt``: this
     shard's part of a 16-bit master's rounding seed (the same in every run of the model)."""
     if offload == "nvme":  # fp32 parameters in a swap file there: one file for both
-        return SwappedMaster(swap, values, world, placement.master_file(swap) if fp32 else None)
+        file = placement.master_file(swap) if fp32 else None
+        return SwappedMaster(swap, values, world, file, state_dtype)
     if offload == "cpu":
         master = (
             HostCompactMaster(values, world, pin, salt)

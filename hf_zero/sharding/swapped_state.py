@@ -26,11 +26,20 @@ class SwappedState:
     """One trainable group's master shard, gradient and optimizer state in swap files."""
 
     def __init__(
-        self, space: SwapSpace, master: torch.Tensor, world: int, file: SwapFile | None = None
+        self,
+        space: SwapSpace,
+        master: torch.Tensor,
+        world: int,
+        file: SwapFile | None = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         """``file``: the parameter shard's swap file, which holds ``master`` already (fp32
-        parameters): the master's values live there, 16 bytes an element on disk, not 20."""
+        parameters): the master's values live there, 16 bytes an element on disk, not 20.
+        ``state_dtype``: floating-point state tensors are kept in that dtype in their files
+        (``optimizer_states_dtype: bf16``; the step widens each tile), else as the optimizer
+        makes them."""
         self.space = space
+        self.state_dtype = state_dtype
         self.numel = master.numel()
         self.files: dict[str, SwapFile] = {"master": file or space.file("master", self.numel * 4)}
         self.dtypes: dict[str, torch.dtype] = {"master": torch.float32}
@@ -51,10 +60,14 @@ class SwappedState:
     def write(self, key: str, values: torch.Tensor) -> None:
         """Replace the whole of ``key`` with ``values`` (a new state key gets its file)."""
         if key not in self.files:
-            self.add_key(key, values.dtype)
+            self.add_key(key, self.kept_dtype(values))
         buffer = self.space.buffer(self.numel, self.dtypes[key])
         buffer.copy_(values.reshape(-1))
         self.files[key].write(buffer)
+
+    def kept_dtype(self, value: torch.Tensor) -> torch.dtype:
+        """The dtype a state tensor like ``value`` has in its file."""
+        return self.state_dtype if self.state_dtype and value.is_floating_point() else value.dtype
 
     def add_key(self, key: str, dtype: torch.dtype) -> None:
         nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()

@@ -132,14 +132,18 @@ RESUMED = {
     "device": STORAGE["bf16 both"],
     "offloaded": {"optimizer_states_dtype": "bf16", "offload_optimizer": "cpu"},
     "offloaded with bf16 masters": {**STORAGE["bf16 both"], "offload_optimizer": "cpu"},
+    "in swap files": {"optimizer_states_dtype": "bf16", "offload_optimizer": "nvme"},
 }
 
 
 @pytest.mark.parametrize("cfg", RESUMED.values(), ids=RESUMED.keys())
 def test_16bit_state_resumes_exactly(tmp_path, cfg):
+    if cfg.get("offload_optimizer") == "nvme":
+        cfg = {**cfg, "nvme_path": str(tmp_path / "swap")}
+    saved = str(tmp_path / "checkpoint")
     straight = run_distributed(_resume, 2, args=(None, None, range(4), cfg))[0]
-    run_distributed(_resume, 2, args=(None, str(tmp_path), range(2), cfg))
-    resumed = run_distributed(_resume, 2, args=(str(tmp_path), None, range(2, 4), cfg))[0]
+    run_distributed(_resume, 2, args=(None, saved, range(2), cfg))
+    resumed = run_distributed(_resume, 2, args=(saved, None, range(2, 4), cfg))[0]
     assert resumed["losses"] == straight["losses"][2:]
     assert all(torch.equal(resumed["full"][k], straight["full"][k]) for k in straight["full"])
 
@@ -163,24 +167,32 @@ def test_16bit_storage_keys_are_read_and_checked():
                               offload_optimizer="cpu")  # fmt: skip
     assert host_masters.master_weights_dtype == "bf16"
     with pytest.raises(
-        NotImplementedError, match=r"'offload_optimizer' = 'nvme' is not implemented: swap files"
+        NotImplementedError,
+        match=r"'master_weights_dtype' = 'bf16' with 'offload_optimizer' = "
+        r"'nvme' is not implemented: swap files hold fp32 masters",
     ):
-        ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
+        ZeroConfig(stage=3, precision="bf16", master_weights_dtype="bf16",
                    offload_optimizer="nvme", nvme_path="/tmp")  # fmt: skip
+    on_disk = ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
+                         offload_optimizer="nvme", nvme_path="/tmp")  # fmt: skip
+    assert on_disk.optimizer_states_dtype == "bf16"
     host = ZeroConfig(stage=3, precision="bf16", optimizer_states_dtype="bf16",
                       offload_optimizer="cpu")  # fmt: skip
     assert host.optimizer_states_dtype == "bf16"
 
 
-def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool, masters: str) -> dict:
-    """bf16 optimizer state (and ``masters``) on the device, then with
-    ``offload_optimizer: cpu``."""
+def _offloaded_states(
+    stage: int, make_optimizer, fast_kernel: bool, masters: str, swap: str | None = None
+) -> dict:
+    """bf16 optimizer state (and ``masters``) on the device, then with ``offload_optimizer:
+    cpu`` (or, given ``swap``, ``nvme`` with its swap files there)."""
     runs = {}
-    for offload in ("none", "cpu"):
+    for offload in ("none", "cpu" if swap is None else "nvme"):
         losses, params, engine = train_zero(
             3, 2, 0.3, stage, precision="bf16", make_optimizer=make_optimizer,
             optimizer_states_dtype="bf16", master_weights_dtype=masters,
             offload_optimizer=offload, offload_optimizer_fast_kernel=fast_kernel,
+            **({"nvme_path": swap} if offload == "nvme" else {}),
         )  # fmt: skip
         moments = {
             v.dtype
@@ -188,6 +200,12 @@ def _offloaded_states(stage: int, make_optimizer, fast_kernel: bool, masters: st
             for k, v in s.items()
             if k.startswith("exp_avg")
         }
+        moments |= {  # in swap files
+            dtype
+            for g in engine.groups
+            for k, dtype in getattr(g.master_weights, "swapped", None).dtypes.items()
+            if k.startswith("exp_avg")
+        } if offload == "nvme" else set()  # fmt: skip
         runs[offload] = {
             "losses": losses, "params": params, "moments": moments,
             "report": engine.memory_report(),
@@ -244,3 +262,33 @@ def test_bf16_master_weights_offloaded_equal_them_on_the_device(stage):
         states = report["host_optimizer_states"] - estimate["host_optimizer_states"]
         assert 0 <= states <= 8 * host["buckets"], report
         assert report["master_weights"] == report["optimizer_states"] == 0, report
+
+
+@pytest.mark.parametrize(
+    ("make_optimizer", "fast_kernel"), [(fused_adamw, True), (adamw, False)],
+    ids=["adamw", "your-step"],
+)  # fmt: skip
+def test_bf16_optimizer_state_in_swap_files_equals_it_on_the_device(
+    tmp_path, make_optimizer, fast_kernel
+):
+    """``optimizer_states_dtype: bf16`` with ``offload_optimizer: nvme`` (stage 3): Adam's
+    moments are kept in bf16 in their swap files, and the streamed step widens each tile to
+    fp32 for the step (torch's fused kernel, or the user's own step) and rounds it back, as the
+    device step does a bucket: losses and parameters equal the on-device run bit for bit. On
+    disk 4 bytes of moments per shard element instead of 8, as `hf_zero.memory.infinity_bytes`
+    says with ``optimizer_states_16bit``."""
+    from hf_zero.memory import ModelShape, infinity_bytes
+
+    args = (3, make_optimizer, fast_kernel, "fp32", str(tmp_path))
+    for r in run_distributed(_offloaded_states, 2, args=args):
+        device, disk = r["none"], r["nvme"]
+        assert disk["step"] == "StreamedStep", disk["step"]
+        assert disk["losses"] == device["losses"]
+        assert all(torch.equal(disk["params"][k], device["params"][k]) for k in device["params"])
+        assert disk["moments"] == device["moments"] == {torch.bfloat16}
+        report, shard = disk["report"], disk["shard"]
+        estimate = infinity_bytes(ModelShape(params=2 * shard), 2, "bf16", offload_param=False,
+                                  optimizer_states_16bit=True)  # fmt: skip
+        assert report["optimizer_states"] == 0 and estimate["nvme_optimizer_states"] == 4 * shard
+        blocks = 2 * 4096 * disk["buckets"]  # each file is whole 4 KiB blocks
+        assert 0 <= report["nvme_optimizer_states"] - 4 * shard <= blocks, report
