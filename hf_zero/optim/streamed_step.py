@@ -23,6 +23,7 @@ import torch
 from hf_zero.observe import clock
 from hf_zero.optim.cpu_adam import adam_step
 from hf_zero.sharding.swapped_state import SwappedState
+from hf_zero.storage.swap import ALIGN
 
 DEFAULT_TILE = 1 << 22  # elements: 16 MiB per fp32 tensor per buffer set
 
@@ -117,6 +118,11 @@ def streamed_step(
             state = group.swapped
             if state is None or not state.grads.present:
                 continue
+            if state.state_dtype is not None and tile_numel * state.state_dtype.itemsize % ALIGN:
+                raise ValueError(
+                    f"hf_zero: a streamed step's tile is {tile_numel} elements; with state kept "
+                    f"in {state.state_dtype} it must be whole {ALIGN}-byte blocks of it"
+                )
             state.grads.settle()
             work.append(_GroupStep(group, param_groups[group.param_group_index], tile_numel))
         if work:

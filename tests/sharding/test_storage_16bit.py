@@ -185,7 +185,12 @@ def _offloaded_states(
     stage: int, make_optimizer, fast_kernel: bool, masters: str, swap: str | None = None
 ) -> dict:
     """bf16 optimizer state (and ``masters``) on the device, then with ``offload_optimizer:
-    cpu`` (or, given ``swap``, ``nvme`` with its swap files there)."""
+    cpu`` (or, given ``swap``, ``nvme`` with its swap files there, stepped in tiles of 2048
+    elements: several a group, in flight across groups)."""
+    if swap is not None:
+        import hf_zero.optim.streamed_step
+
+        hf_zero.optim.streamed_step.DEFAULT_TILE = 2048
     runs = {}
     for offload in ("none", "cpu" if swap is None else "nvme"):
         losses, params, engine = train_zero(
@@ -272,8 +277,8 @@ def test_bf16_optimizer_state_in_swap_files_equals_it_on_the_device(
     tmp_path, make_optimizer, fast_kernel
 ):
     """``optimizer_states_dtype: bf16`` with ``offload_optimizer: nvme`` (stage 3): Adam's
-    moments are kept in bf16 in their swap files, and the streamed step widens each tile to
-    fp32 for the step (torch's fused kernel, or the user's own step) and rounds it back, as the
+    moments are kept in bf16 in their swap files, and the streamed step widens each tile
+    (several a group) to fp32 for the step (torch's fused kernel, or the user's own step) and rounds it back, as the
     device step does a bucket: losses and parameters equal the on-device run bit for bit. On
     disk 4 bytes of moments per shard element instead of 8, as `hf_zero.memory.infinity_bytes`
     says with ``optimizer_states_16bit``."""
