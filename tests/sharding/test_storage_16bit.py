@@ -208,7 +208,7 @@ def _offloaded_states(
         moments |= {  # in swap files
             dtype
             for g in engine.groups
-            for k, dtype in getattr(g.master_weights, "swapped", None).dtypes.items()
+            for k, dtype in g.master_weights.swapped.dtypes.items()
             if k.startswith("exp_avg")
         } if offload == "nvme" else set()  # fmt: skip
         runs[offload] = {
@@ -278,10 +278,10 @@ def test_bf16_optimizer_state_in_swap_files_equals_it_on_the_device(
 ):
     """``optimizer_states_dtype: bf16`` with ``offload_optimizer: nvme`` (stage 3): Adam's
     moments are kept in bf16 in their swap files, and the streamed step widens each tile
-    (several a group) to fp32 for the step (torch's fused kernel, or the user's own step) and rounds it back, as the
-    device step does a bucket: losses and parameters equal the on-device run bit for bit. On
-    disk 4 bytes of moments per shard element instead of 8, as `hf_zero.memory.infinity_bytes`
-    says with ``optimizer_states_16bit``."""
+    (several a group) to fp32 for the step (torch's fused kernel, or the user's own step) and
+    rounds it back, as the device step does a bucket: losses and parameters equal the on-device
+    run bit for bit. On disk 4 bytes of moments per shard element instead of 8, as
+    `hf_zero.memory.infinity_bytes` says with ``optimizer_states_16bit``."""
     from hf_zero.memory import ModelShape, infinity_bytes
 
     args = (3, make_optimizer, fast_kernel, "fp32", str(tmp_path))
