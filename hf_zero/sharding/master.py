@@ -250,7 +250,6 @@ class SwappedMaster(HostMaster):
         from hf_zero.sharding.swapped_state import SwappedState
 
         self.swapped = SwappedState(space, values, world, file, state_dtype)
-        self.state_dtype = state_dtype
         empty = torch.empty(0, dtype=torch.float32, device="cpu")  # the bytes are in the files
         self.param = torch.nn.Parameter(empty, requires_grad=False)
         self.grads = self.swapped.grads
@@ -270,6 +269,11 @@ class SwappedMaster(HostMaster):
         self.land(codec)
         self.grads.commit(received)
         self._landed = False
+
+    @property
+    def state_dtype(self) -> torch.dtype | None:
+        """The dtype of the state's swap files (`SwappedState` keeps it)."""
+        return self.swapped.state_dtype
 
     def values(self) -> torch.Tensor:
         return self.swapped.read_master()
