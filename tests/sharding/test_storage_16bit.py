@@ -205,12 +205,9 @@ def _offloaded_states(
             for k, v in s.items()
             if k.startswith("exp_avg")
         }
-        moments |= {  # in swap files
-            dtype
-            for g in engine.groups
-            for k, dtype in g.master_weights.swapped.dtypes.items()
-            if k.startswith("exp_avg")
-        } if offload == "nvme" else set()  # fmt: skip
+        for g in engine.groups if offload == "nvme" else ():  # the moments in swap files
+            swapped = g.master_weights.swapped.dtypes
+            moments |= {dtype for k, dtype in swapped.items() if k.startswith("exp_avg")}
         runs[offload] = {
             "losses": losses, "params": params, "moments": moments,
             "report": engine.memory_report(),
