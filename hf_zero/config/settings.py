@@ -132,8 +132,9 @@ SETTINGS: tuple[Setting, ...] = (
         "host_memory",
         str,
         str,
-        "training on CPU: release (freed memory back after each step), unmap (each freed "
-        "buffer >= 1 MiB back at once: the lowest peak) or reuse (kept: faster)",
+        "training on CPU: release (freed memory back after each step that frees 16 MiB or "
+        "more), unmap (each freed buffer >= 1 MiB back at once: the lowest peak) or reuse "
+        "(kept: faster)",
     ),
     Setting(
         "save_on_sigterm",

@@ -127,9 +127,9 @@ class ZeroConfig:
     """Steps recorded after a first, unrecorded warm-up step."""
     profile_dir: str = "hf_zero_profile"
     host_memory: str = "release"
-    """Training on CPU: ``"release"`` gives freed memory back to the OS after each step (lower
-    RSS); ``"unmap"`` also gives back each freed buffer of 1 MiB or more at once, inside the
-    step (the lowest peak: long sequences); ``"reuse"`` keeps freed memory for the next step,
+    """Training on CPU: ``"release"`` gives freed memory back to the OS after each step that
+    leaves 16 MiB or more of it (lower RSS); ``"unmap"`` also gives back each freed buffer of
+    1 MiB or more at once, inside the step (the lowest peak: long sequences); ``"reuse"`` keeps freed memory for the next step,
     skipping its page faults (faster). With parameters offloaded or an NVMe tier, ``release``
     unmaps too; ``reuse`` is kept."""
 

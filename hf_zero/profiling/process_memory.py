@@ -4,7 +4,6 @@ objects are reconciled with."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 
 import torch
@@ -27,30 +26,11 @@ def _status(field: str) -> int:
     return 0
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                     "uordblks", "fordblks", "keepcost")
-    ]  # fmt: skip
-
-
-def _mallinfo2():
-    fn = getattr(host_memory.libc(), "mallinfo2", None)
-    if fn is None:  # not glibc, or glibc older than 2.33
-        return None
-    fn.restype = _MallInfo2
-    return fn
-
-
-_MALLINFO2 = _mallinfo2()
-
-
 def allocator_free_bytes() -> int | None:
     """Bytes glibc's malloc holds free for reuse: freed memory the process keeps (in the
     resident set, held by no tensor). None where ``mallinfo2`` is missing (not glibc, or
     glibc < 2.33)."""
-    return None if _MALLINFO2 is None else int(_MALLINFO2().fordblks)
+    return host_memory.free_heap_bytes()
 
 
 def pooled(objects: dict[str, int], device_type: str) -> dict[str, int]:

@@ -69,6 +69,45 @@ def unmap_large_frees(threshold: int = 1 << 20) -> bool:
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold))
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+@functools.cache
+def _mallinfo2():
+    fn = getattr(libc(), "mallinfo2", None)
+    if fn is not None:  # None: not glibc, or glibc older than 2.33
+        fn.restype = _MallInfo2
+    return fn
+
+
+def heap_info() -> _MallInfo2 | None:
+    """glibc's own count of its memory (``mallinfo2()``, every arena; it walks their free
+    lists): ``fordblks`` held free, ``hblkhd`` served by ``mmap``, ... None where ``mallinfo2``
+    is missing (not glibc, or glibc < 2.33)."""
+    fn = _mallinfo2()
+    return None if fn is None else fn()
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes glibc's malloc holds free for reuse (`heap_info`'s ``fordblks``); None where
+    glibc does not tell."""
+    info = heap_info()
+    return None if info is None else int(info.fordblks)
+
+
+TRIM_MIN_BYTES = 16 << 20
+"""The freed heap memory below which the step's trim is skipped. A trim costs its time whatever
+it returns (consolidating the free lists, then faulting the returned pages in again in the next
+step): where a tiny model's step leaves 3-4 MiB free, trimming every step made the steps 5-8%
+slower than skipping it (2 CPU ranks, ``benchmarks/bench_host_memory.py``). At this threshold a rank keeps at most 16 MiB of freed memory between steps; any model whose
+gradient shard alone is larger is trimmed every step."""
+
+
 def trim() -> bool:
     """Return the heap's free pages to the OS; False where there is no ``malloc_trim``."""
     fn = _malloc_trim()
@@ -82,7 +121,8 @@ class HostMemoryPolicy:
     """When a CPU run returns freed host memory to the OS, chosen once per engine.
 
     On a GPU the host holds little between steps and nothing here runs. On CPU the config's
-    ``host_memory`` decides: ``release`` trims the heap after each stage-2/3 step (the sharded
+    ``host_memory`` decides: ``release`` trims the heap after each stage-2/3 step that leaves
+    at least `TRIM_MIN_BYTES` free in it (the sharded
     gradients freed there leave the process; stages 0-1 keep their gradient buffers, and
     trimming their few transients would cost the next step its page faults: stage 1 measured
     1.09x DDP); ``unmap`` also maps every allocation of 1 MiB and more on its own, so that what
@@ -115,5 +155,8 @@ class HostMemoryPolicy:
             trim()  # what building the groups freed (the model's own tensors)
 
     def after_step(self) -> None:
-        if self.trim_after_step:
+        if not self.trim_after_step:
+            return
+        free = free_heap_bytes()
+        if free is None or free >= TRIM_MIN_BYTES:  # glibc does not tell: trim
             trim()

@@ -66,13 +66,14 @@ def _freed_mib() -> tuple[float, float | None]:
     joins the heap's top (which glibc trims); an 8 MiB buffer freed first raises glibc's
     dynamic mmap threshold above them, as a step's large frees do."""
     from hf_zero.profiling import process_memory
+    from hf_zero.storage.host_memory import heap_info
 
     def rss() -> int:
         return process_memory.measured_bytes(torch.device("cpu"), allocator=False)["rss"]
 
     def mapped() -> int | None:
-        info = process_memory._MALLINFO2
-        return None if info is None else int(info().hblkhd)
+        info = heap_info()
+        return None if info is None else int(info.hblkhd)
 
     del_me = torch.ones(2 << 20)
     del del_me
@@ -86,26 +87,34 @@ def _freed_mib() -> tuple[float, float | None]:
 def _host_memory_policies() -> dict:
     from hf_zero.storage import host_memory
 
-    trims = []
-    original = host_memory.trim
+    trims, readings = [], []  # the trims, and the heap's free bytes each step's choice read
+    original, read = host_memory.trim, host_memory.free_heap_bytes
     host_memory.trim = lambda: trims.append(1) or original()
+    host_memory.free_heap_bytes = lambda: readings.append(read()) or readings[-1]
     ref_losses, ref_params = train_ddp(STEPS, 1, CLIP)
     out = {}
     for policy in ("release", "unmap", "reuse"):  # mallopt is process-wide: "reuse" last
         trims.clear()
+        readings.clear()
         losses, params, _ = train_zero(STEPS, 1, CLIP, 3, host_memory=policy, **ZERO3)
         out[policy] = (max_loss_diff(losses, ref_losses), max_param_diff(params, ref_params))
         out[policy + "_trims"] = len(trims)
+        out[policy + "_readings"] = len(readings)
+        out[policy + "_enough"] = sum(
+            f is None or f >= host_memory.TRIM_MIN_BYTES for f in readings
+        )
         out[policy + "_freed_mib"], out[policy + "_unmapped_mib"] = _freed_mib()
     return out
 
 
 def test_host_memory_policies_change_no_result_and_unmap_frees_inside_the_step():
-    """``reuse`` skips the trim after each step; ``unmap`` returns each freed buffer of 1 MiB or
-    more to the OS at once, where ``release`` and ``reuse`` keep them until a trim."""
+    """``release`` and ``unmap`` look at the heap after each step and trim when it holds
+    `TRIM_MIN_BYTES` free, ``reuse`` never; ``unmap`` returns each freed buffer of 1 MiB or more
+    to the OS at once, where ``release`` and ``reuse`` keep them until a trim."""
     for r in run_distributed(_host_memory_policies, 2):
-        assert r["release_trims"] == STEPS and r["reuse_trims"] == 0, r
-        assert r["unmap_trims"] == STEPS + 1, r  # and once after the build
+        assert r["release_readings"] == r["unmap_readings"] == STEPS, r
+        assert r["release_trims"] == r["release_enough"] and r["reuse_trims"] == 0, r
+        assert r["unmap_trims"] == r["unmap_enough"] + 1, r  # and once after the build
         freed = {k: v for k, v in r.items() if k.endswith("_mib")}
         assert r["unmap_freed_mib"] >= 60, freed
         assert r["release_freed_mib"] <= 8 and r["reuse_freed_mib"] <= 8, freed
