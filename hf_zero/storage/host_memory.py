@@ -5,7 +5,8 @@ buffers are freed, so after the first steps every gradient buffer, reduction out
 temporary under 32 MB comes from the heap and stays mapped once freed. Between steps that was
 about 550 MB per rank of freed memory still resident (182M fp32 parameters, stage 2, 2 ranks),
 which raised each backward's peak by as much. `trim` (glibc's ``malloc_trim(0)``) returns it
-once per step; the pages come back as backward touches them again. Without glibc it does nothing.
+once per step, when the step leaves `TRIM_MIN_BYTES` or more free; the pages come back as
+backward touches them again. Without glibc it does nothing.
 
 With ZeRO-Infinity's NVMe tiers the point is that the host holds only a working set, so
 `unmap_large_frees` goes further: allocations of 1 MiB and more are mapped on their own and
@@ -104,8 +105,9 @@ TRIM_MIN_BYTES = 16 << 20
 """The freed heap memory below which the step's trim is skipped. A trim costs its time whatever
 it returns (consolidating the free lists, then faulting the returned pages in again in the next
 step): where a tiny model's step leaves 3-4 MiB free, trimming every step made the steps 5-8%
-slower than skipping it (2 CPU ranks, ``benchmarks/bench_host_memory.py``). At this threshold a rank keeps at most 16 MiB of freed memory between steps; any model whose
-gradient shard alone is larger is trimmed every step."""
+slower than skipping it (2 CPU ranks, ``benchmarks/bench_host_memory.py``). At this threshold
+a rank keeps at most 16 MiB of freed memory between steps; any model whose gradient shard alone
+is larger is trimmed every step."""
 
 
 def trim() -> bool:
@@ -121,17 +123,17 @@ class HostMemoryPolicy:
     """When a CPU run returns freed host memory to the OS, chosen once per engine.
 
     On a GPU the host holds little between steps and nothing here runs. On CPU the config's
-    ``host_memory`` decides: ``release`` trims the heap after each stage-2/3 step that leaves
-    at least `TRIM_MIN_BYTES` free in it (the sharded
-    gradients freed there leave the process; stages 0-1 keep their gradient buffers, and
-    trimming their few transients would cost the next step its page faults: stage 1 measured
-    1.09x DDP); ``unmap`` also maps every allocation of 1 MiB and more on its own, so that what
-    is freed inside a step (activations, logits tiles) leaves at once rather than piling up in
-    the heap until the trim (long sequences: the peak RSS); ``reuse`` keeps freed memory for
-    the next step. Runs whose point is memory (``memory_first``: an NVMe tier, or parameters
-    offloaded) unmap unless ``reuse`` is asked for: the host then holds model states and a
-    working set only. ``reuse`` there trades RSS for the page faults (332M parameters,
-    ``cpu``/``cpu``, 2 CPU ranks: 6.64 -> 5.04 s a step, peak 4.6 -> 5.3 GB per rank).
+    ``host_memory`` decides: ``release`` trims the heap after each stage-2/3 step that leaves at
+    least `TRIM_MIN_BYTES` free in it (the sharded gradients freed there leave the process;
+    stages 0-1 keep their gradient buffers, and trimming their few transients would cost the
+    next step its page faults: stage 1 measured 1.09x DDP); ``unmap`` also maps every allocation
+    of 1 MiB and more on its own, so that what is freed inside a step (activations, logits
+    tiles) leaves at once rather than piling up in the heap until the trim (long sequences: the
+    peak RSS); ``reuse`` keeps freed memory for the next step. Runs whose point is memory
+    (``memory_first``: an NVMe tier, or parameters offloaded) unmap unless ``reuse`` is asked
+    for: the host then holds model states and a working set only. ``reuse`` there trades RSS for
+    the page faults (332M parameters, ``cpu``/``cpu``, 2 CPU ranks: 6.64 -> 5.04 s a step, peak
+    4.6 -> 5.3 GB per rank).
     """
 
     def __init__(self, on_cpu: bool, setting: str, memory_first: bool, stage: int) -> None:
