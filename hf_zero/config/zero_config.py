@@ -129,9 +129,9 @@ class ZeroConfig:
     host_memory: str = "release"
     """Training on CPU: ``"release"`` gives freed memory back to the OS after each step that
     leaves 16 MiB or more of it (lower RSS); ``"unmap"`` also gives back each freed buffer of
-    1 MiB or more at once, inside the step (the lowest peak: long sequences); ``"reuse"`` keeps freed memory for the next step,
-    skipping its page faults (faster). With parameters offloaded or an NVMe tier, ``release``
-    unmaps too; ``reuse`` is kept."""
+    1 MiB or more at once, inside the step (the lowest peak: long sequences); ``"reuse"`` keeps
+    freed memory for the next step, skipping its page faults (faster). With parameters
+    offloaded or an NVMe tier, ``release`` unmaps too; ``reuse`` is kept."""
 
     # --- offload -----------------------------------------------------------------------------
     offload_optimizer: str = "none"

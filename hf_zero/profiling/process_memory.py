@@ -26,13 +26,6 @@ def _status(field: str) -> int:
     return 0
 
 
-def allocator_free_bytes() -> int | None:
-    """Bytes glibc's malloc holds free for reuse: freed memory the process keeps (in the
-    resident set, held by no tensor). None where ``mallinfo2`` is missing (not glibc, or
-    glibc < 2.33)."""
-    return host_memory.free_heap_bytes()
-
-
 def pooled(objects: dict[str, int], device_type: str) -> dict[str, int]:
     """The objects held in the memory `measured_bytes` covers: on CPU every one but swap files
     (host and device are the same memory); on a GPU the device's (not ``host_*``)."""
@@ -46,7 +39,8 @@ def measured_bytes(
 ) -> dict[str, int]:
     """``total``: the bytes the profile's objects are compared with (on CPU the resident set,
     on a GPU the caching allocator's allocated bytes); ``rss`` always; on a GPU also
-    ``reserved``; on CPU also ``allocator_free`` (`allocator_free_bytes`, where glibc tells;
+    ``reserved``; on CPU also ``allocator_free`` (freed memory glibc keeps in the resident set,
+    held by no tensor: `hf_zero.storage.host_memory.free_heap_bytes`, where glibc tells;
     ``allocator=False`` skips it, which walks the allocator's free lists).
     ``peak=True``: the highest values since `reset_peak` (VmHWM on CPU)."""
     if device.type == "cuda":
@@ -61,7 +55,7 @@ def measured_bytes(
         hwm = _status("VmHWM")
         return {"total": hwm, "rss": hwm}
     rss = _rss()
-    free = allocator_free_bytes() if allocator else None
+    free = host_memory.free_heap_bytes() if allocator else None
     out = {"total": rss, "rss": rss}
     return out if free is None else {**out, "allocator_free": free}
 

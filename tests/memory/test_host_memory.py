@@ -5,7 +5,9 @@ when there is not, since a trim costs its time whatever it returns."""
 import ctypes
 
 import pytest
+import torch
 
+from hf_zero.profiling.process_memory import measured_bytes
 from hf_zero.storage import host_memory
 from hf_zero.storage.host_memory import TRIM_MIN_BYTES, HostMemoryPolicy
 
@@ -17,8 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return measured_bytes(torch.device("cpu"), allocator=False)["rss"]
 
 
 def _free_on_the_heap(nbytes: int) -> int:
