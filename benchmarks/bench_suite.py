@@ -94,11 +94,12 @@ def summarize(rows: list[dict], busy: float, wall: float, idle: float, imports: 
     kinds: dict = collections.defaultdict(lambda: {"processes": 0, "cpu_s": 0.0, "sys_s": 0.0})
     files: dict = collections.defaultdict(lambda: {"processes": 0, "cpu_s": 0.0})
     for row in rows:
-        k = kinds[kind(row)]
+        name = kind(row)
+        k = kinds[name]
         k["processes"] += 1
         k["cpu_s"] += row["cpu"]
         k["sys_s"] += row["sys"]
-        if row["test"] and kind(row) != "pytest":
+        if row["test"] and name != "pytest":
             f = files[row["test"].split("::")[0]]
             f["processes"] += 1
             f["cpu_s"] += row["cpu"]
