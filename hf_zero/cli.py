@@ -253,17 +253,18 @@ def _print_infinity_rows(args: argparse.Namespace, shape) -> None:
     gib = 2**30
     head = f"{'stage 3 NVMe':>15} {'device GiB':>11} {'host GiB':>13} {'+ working set':>14}"
     print(f"{head} {'disk GiB':>9}")
-    rows = [("optimizer", False, 0, 0, False), ("opt+param", True, 0, 0, False)]
+    rows = [("optimizer", False, 0, 0, 0), ("opt+param", True, 0, 0, 0)]
     cached, held = int(args.max_in_cpu), int(args.optimizer_max_in_cpu)
     if cached or held:
-        rows.append(("+ cached", True, cached, held, False))
-    if args.precision == "bf16":  # optimizer_states_dtype: bf16, Adam's moments on disk in bf16
-        rows.append(("+ bf16 state", True, cached, held, True))
-    for label, offload_param, cached, held, state16 in rows:
+        rows.append(("+ cached", True, cached, held, 0))
+    if args.precision == "bf16":  # optimizer_states_dtype, then master_weights_dtype too: bf16
+        rows += [("+ bf16 state", True, cached, held, 1), ("+ bf16 master", True, cached, held, 2)]
+    for label, offload_param, cached, held, in_16bit in rows:
         prefetch = int(0.9 * shape.hidden**2)  # stage3_prefetch_bucket_size: auto
         m = infinity_bytes(
             shape, args.dp, args.precision, offload_param, prefetch_bucket_size=prefetch,
-            param_cache_numel=cached, optimizer_cache_numel=held, optimizer_states_16bit=state16,
+            param_cache_numel=cached, optimizer_cache_numel=held,
+            optimizer_states_16bit=in_16bit >= 1, master_weights_16bit=in_16bit == 2,
         )  # fmt: skip
         print(
             f"{label:>15} {m['params'] / gib:>11.2f} {m['host_io_buffers'] / gib:>13.2f} "

@@ -59,8 +59,8 @@ def model_state_bytes(
     model-state peak (or, ``between_steps``, after the optimizer step). ``offload_param``
     (stage 3) moves the parameter shards to ``host_params``. ``storage_16bit``
     (``master_weights_dtype`` and ``optimizer_states_dtype`` bf16, bf16 runs): on the device
-    the parameters are the master, offloaded the host keeps a bf16 master, and the optimizer
-    state is kept in half the bytes.
+    the parameters are the master (a bf16 copy of them where they are offloaded), offloaded
+    the host keeps a bf16 master, and the optimizer state is kept in half the bytes.
     ``optimizer_states_16bit`` (``optimizer_states_dtype`` alone, bf16 runs; on the device or
     offloaded to the host): the optimizer state in half the bytes."""
     if stage not in (0, 1, 2, 3):
@@ -81,9 +81,10 @@ def model_state_bytes(
         "optimizer_states": optimizer_bytes_per_param * shard,
     }
     if storage_16bit:
-        if precision != "bf16" or offload_param:
-            raise ValueError("storage_16bit needs precision bf16 and no offload_param")
-        report["master_weights"] = 0.0
+        if precision != "bf16":
+            raise ValueError("storage_16bit needs precision bf16")
+        # The bf16 parameters are the master, unless they are offloaded (then a bf16 copy).
+        report["master_weights"] = 2 * shard if offload_param else 0.0
     if storage_16bit or optimizer_states_16bit:
         if precision != "bf16":
             raise ValueError("optimizer_states_16bit needs precision bf16")
@@ -342,6 +343,7 @@ def infinity_bytes(
     param_cache_numel: int = 0,
     optimizer_cache_numel: int = 0,
     optimizer_states_16bit: bool = False,
+    master_weights_16bit: bool = False,
 ) -> dict[str, float]:
     """ZeRO-Infinity per rank (stage 3, ``offload_optimizer: nvme``; ``offload_param: nvme``
     too with ``offload_param``): swap-file bytes by kind (``nvme_*``, as `memory_report()` names
@@ -361,7 +363,8 @@ def infinity_bytes(
     16 bytes each, also counted in the host column). ``optimizer_states_16bit``
     (``optimizer_states_dtype: bf16``): the Adam moments are 2 bytes each, in their files and
     in the cache (the tile sets stay counted at 4: an upper bound, which covers the tile widened
-    for the step)."""
+    for the step). ``master_weights_16bit`` (``master_weights_dtype: bf16``): the master is 2
+    bytes an element, in its file and in the cache; bf16 parameters in swap files share it."""
     from hf_zero.optim.streamed_step import DEFAULT_TILE
 
     P, N, b = float(shape.params), float(dp_size), BYTES[precision]
@@ -369,11 +372,13 @@ def infinity_bytes(
     held = min(float(optimizer_cache_numel), P / N)  # optimizer elements in host memory
     streamed = P / N - held
     moments = 4 if optimizer_states_16bit else 8  # bytes per element for exp_avg, exp_avg_sq
+    master = 2 if master_weights_16bit else 4
+    # Parameters share the master's file where the master streams from disk in their dtype.
+    shared = b == master
     report = {
         "params": 0.0 if offload_param else b * P / N,
-        # fp32 parameters share the master's file where the master streams from disk.
-        "nvme_params": (4 * held if precision == "fp32" else b * P / N) if offload_param else 0.0,
-        "nvme_master_weights": 4 * streamed,
+        "nvme_params": (b * held if shared else b * P / N) if offload_param else 0.0,
+        "nvme_master_weights": master * streamed,
         "nvme_grads": 4 * streamed,
         "nvme_optimizer_states": moments * streamed,
     }
@@ -383,7 +388,7 @@ def infinity_bytes(
     report["host_io_buffers"] = read_ahead + tiles
     cache = b * min(float(param_cache_numel), P / N) if offload_param else 0.0
     report["host_param_cache"] = cache
-    report["host_optimizer_cache"] = (8 + moments) * held
+    report["host_optimizer_cache"] = (master + 4 + moments) * held
     report["host_io_buffers"] += cache + report["host_optimizer_cache"]
     # The reduce-scatter output of the reduction in flight (one unit's with reduce_bucket_size
     # `auto`, h^2 elements; more units' with a larger one) until it is written out.

@@ -57,8 +57,7 @@ def check_offload_settings(config) -> None:
 
 def check_storage_dtypes(config) -> None:
     """``master_weights_dtype`` / ``optimizer_states_dtype``: 16-bit storage of what the step
-    keeps: on the device, or with ``offload_optimizer: cpu`` in host memory; Adam's moments in
-    swap files too (``nvme``), where the masters stay fp32 (they share the parameters' files)."""
+    keeps, wherever it keeps it (the device, host memory, swap files); a bf16 run's only."""
     for key in ("master_weights_dtype", "optimizer_states_dtype"):
         value = getattr(config, key)
         one_of(key, value, ("fp32", "bf16"))
@@ -68,10 +67,4 @@ def check_storage_dtypes(config) -> None:
             raise ValueError(
                 f"zero config: '{key}' = 'bf16' needs 'precision' = 'bf16' (16-bit storage of "
                 f"a bf16 run's step); got {config.precision!r}"
-            )
-        if config.offload_optimizer == "nvme" and key == "master_weights_dtype":
-            raise NotImplementedError(
-                f"hf_zero: '{key}' = 'bf16' with 'offload_optimizer' = 'nvme' is not "
-                "implemented: swap files hold fp32 masters (optimizer_states_dtype: bf16 works "
-                "there); set one of them back"
             )

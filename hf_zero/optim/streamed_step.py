@@ -10,7 +10,9 @@ size.
 Each tile is stepped by the user's optimizer itself, on a temporary parameter holding the tile
 (``param_groups`` narrowed to it, its state the tile's slices plus the shared scalars): the
 supported optimizers are elementwise, so every element gets exactly the update a whole-shard step
-gives it - the bits equal plain ZeRO-3's. Offloaded Adam/AdamW may instead take torch's fused CPU
+gives it - the bits equal plain ZeRO-3's. A bf16 master's tile is stepped on an fp32 copy and
+rounded back with the bits its position draws (`hf_zero.numerics.rounding`), as the device's
+bf16 master is rounded whole. Offloaded Adam/AdamW may instead take torch's fused CPU
 kernel (`adam_step`), as ``offload_optimizer: cpu`` does.
 """
 
@@ -118,11 +120,12 @@ def streamed_step(
             state = group.swapped
             if state is None or not state.grads.present:
                 continue
-            if state.state_dtype is not None and tile_numel * state.state_dtype.itemsize % ALIGN:
-                raise ValueError(
-                    f"hf_zero: a streamed step's tile is {tile_numel} elements; with state kept "
-                    f"in {state.state_dtype} it must be whole {ALIGN}-byte blocks of it"
-                )
+            for dtype in {state.state_dtype, state.master_kind.dtype} - {None}:
+                if tile_numel * dtype.itemsize % ALIGN:
+                    raise ValueError(
+                        f"hf_zero: a streamed step's tile is {tile_numel} elements; with "
+                        f"{dtype} in swap files it must be whole {ALIGN}-byte blocks of it"
+                    )
             state.grads.settle()
             work.append(_GroupStep(group, param_groups[group.param_group_index], tile_numel))
         if work:
@@ -143,7 +146,9 @@ def _run(optimizer, work: list[_GroupStep], fast_kernel, on_tile, buffer_count: 
         slot.ready()
         state = step.state
         master = slot.view(state, "master")
-        param = torch.nn.Parameter(master, requires_grad=False)
+        if k == 0:
+            state.master_kind.begin_step()
+        param = torch.nn.Parameter(state.master_kind.widened(master), requires_grad=False)
         param.grad = slot.view(state, "grad")
         for factor in state.grads.factors:
             param.grad.mul_(factor)
@@ -168,6 +173,7 @@ def _run(optimizer, work: list[_GroupStep], fast_kernel, on_tile, buffer_count: 
             if new_state[key].data_ptr() != view.data_ptr():
                 view.copy_(new_state[key].reshape(-1))
         step.scalars = {key: v for key, v in new_state.items() if key not in state.state_keys}
+        state.master_kind.narrow(master, param.detach(), new_state, start)
         on_tile(step.group, start, end, master)
         slot.store(state, ["master", *state.state_keys])
         if i + len(ring) < len(tiles):

@@ -1,19 +1,25 @@
-"""A trainable group's fp32 master weights: where they live, how a reduced gradient reaches them,
-and how stepped values leave them for the parameters.
+"""A trainable group's master weights: where they live, in which dtype, how a reduced gradient
+reaches them, and how stepped values leave them for the parameters.
 
-=================  ================================================  ==========================
-kind               this rank's master shard                          chosen when
-=================  ================================================  ==========================
-`AliasedMaster`    is the parameters' own fp32 values, stepped in    fp32, no offload, the
-                   place (no copy)                                   parameters on the device
-`DeviceMaster`     an fp32 copy on the device                        16-bit parameters, or fp32
-                                                                     ones in the host tier
-`HostMaster`       an fp32 copy in host memory (ZeRO-Offload)        ``offload_optimizer: cpu``
-`SwappedMaster`    in swap files, with its gradient and optimizer    ``offload_optimizer: nvme``
-                   state (ZeRO-Infinity)
-`CompactMaster`    is the parameters' own 16-bit values; each step   ``master_weights_dtype:
-                   computes in fp32 on a one-bucket copy             bf16`` (no offload)
-=================  ================================================  ==========================
+====================  =========================================  ============================
+kind                  this rank's master shard                   chosen when
+====================  =========================================  ============================
+`AliasedMaster`       is the parameters' own fp32 values,        fp32, no offload, the
+                      stepped in place (no copy)                 parameters on the device
+`DeviceMaster`        an fp32 copy on the device                 16-bit parameters, or fp32
+                                                                 ones in the host tier
+`HostMaster`          an fp32 copy in host memory                ``offload_optimizer: cpu``
+                      (ZeRO-Offload)
+`SwappedMaster`       in swap files, with its gradient and       ``offload_optimizer: nvme``
+                      optimizer state (ZeRO-Infinity); fp32,
+                      or bf16 (stepped tile by tile as below)
+`CompactMaster`       is the parameters' own 16-bit values;      ``master_weights_dtype:
+                      each step computes in fp32 on a            bf16``, no offload
+                      one-bucket copy and rounds back
+`DeviceCompactMaster` a bf16 copy on the device, stepped so      the same, parameters
+                                                                 offloaded (``offload_param``)
+`HostCompactMaster`   a bf16 copy in host memory, stepped so     the same, ``cpu``
+====================  =========================================  ============================
 
 Optimizer state may be stored in 16 bits too (``optimizer_states_dtype: bf16``, any kind kept in
 device memory): the step then widens one bucket's state to fp32, steps, and narrows it back, so
@@ -32,11 +38,12 @@ from contextlib import contextmanager
 
 import torch
 
-from hf_zero.numerics.rounding import to_bf16_stochastic
+from hf_zero.numerics.rounding import ShardRounding
 from hf_zero.observe import clock
 from hf_zero.sharding.grad_intake import OWN_REGION, WHOLE_16BIT
 from hf_zero.sharding.grad_store import GradStore, start_copy
 from hf_zero.sharding.placement import Placement
+from hf_zero.sharding.swapped_state import Bf16Master, Fp32Master, SwappedState
 from hf_zero.storage.swap import SwapFile, SwapSpace
 
 TILES_SENT = "tiles sent"
@@ -246,10 +253,9 @@ class SwappedMaster(HostMaster):
         world: int,
         file: SwapFile | None = None,
         state_dtype: torch.dtype | None = None,
+        kind: Fp32Master | Bf16Master | None = None,
     ) -> None:
-        from hf_zero.sharding.swapped_state import SwappedState
-
-        self.swapped = SwappedState(space, values, world, file, state_dtype)
+        self.swapped = SwappedState(space, values, world, file, state_dtype, kind)
         empty = torch.empty(0, dtype=torch.float32, device="cpu")  # the bytes are in the files
         self.param = torch.nn.Parameter(empty, requires_grad=False)
         self.grads = self.swapped.grads
@@ -296,7 +302,7 @@ class SwappedMaster(HostMaster):
         self.send_tile(0, master.numel(), master, placement)  # the parameters follow
 
     def set_values(self, values: torch.Tensor) -> None:
-        self.swapped.write_master(values.float())
+        self.swapped.write_master(values)
 
     def updated(self, placement: Placement) -> str | None:
         sent, self._sent = self._sent, False
@@ -309,10 +315,11 @@ class SwappedMaster(HostMaster):
 class RoundedToBf16:
     """What a bf16 master (``master_weights_dtype: bf16``) adds to its kind: each bucket's step
     runs in fp32 on a temporary copy of the shard (the gradient, as the optimizer sees it, is
-    fp32 too) and is rounded back into the bf16 master stochastically (`to_bf16_stochastic`,
-    seeded by ``salt`` and the optimizer's step count, so a resumed run rounds as an
-    uninterrupted one); between steps nothing of it is fp32. The gradient is held on an fp32
-    slot the shape of the shard, which has no memory of its own."""
+    fp32 too) and is rounded back into the bf16 master stochastically (`ShardRounding`, seeded
+    by ``salt`` and the optimizer's step count, so a resumed run rounds as an uninterrupted
+    one, and a swapped master's tiles as the whole shard); between steps nothing of it is fp32.
+    The gradient is held on an fp32 slot the shape of the shard, which has no memory of its
+    own."""
 
     param: torch.nn.Parameter
 
@@ -320,8 +327,7 @@ class RoundedToBf16:
         slot = torch.zeros(1, dtype=torch.float32, device=self.param.device)
         slot = slot.expand(self.param.numel())
         self.grads = GradStore(torch.nn.Parameter(slot, requires_grad=False), world)
-        self.salt = salt
-        self._steps = 0  # the seed's count for optimizers that keep no ``step`` state
+        self.rounding = ShardRounding(salt)
 
     @contextmanager
     def stepped(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
@@ -335,10 +341,8 @@ class RoundedToBf16:
             state = optimizer.state.pop(work, {})
             keep = self.kept_dtype(optimizer)
             optimizer.state[self.param] = _narrowed_state(state, work.numel(), keep)
-            self._steps += 1
-            step = state.get("step", self._steps)
-            seed = (self.salt * 1_000_003 + int(step)) % (1 << 63)
-            self.param.detach().copy_(to_bf16_stochastic(work.detach(), seed))
+            self.rounding.begin_step()
+            self.param.detach().copy_(self.rounding.round(work.detach(), state))
 
 
 class CompactMaster(RoundedToBf16, AliasedMaster):
@@ -347,6 +351,16 @@ class CompactMaster(RoundedToBf16, AliasedMaster):
 
     def __init__(self, view: torch.Tensor, world: int, complete: bool, salt: int = 0) -> None:
         super().__init__(view, world, complete)
+        self._round_in_bf16(world, salt)
+
+
+class DeviceCompactMaster(RoundedToBf16, DeviceMaster):
+    """``master_weights_dtype: bf16`` where the parameters are not in device memory
+    (``offload_param``) but the step is: a bf16 copy of the shard on the device (2 bytes per
+    element), stepped as `RoundedToBf16` says."""
+
+    def __init__(self, values: torch.Tensor, world: int, salt: int = 0) -> None:
+        super().__init__(values.to(torch.bfloat16, copy=True), world)
         self._round_in_bf16(world, salt)
 
 
@@ -395,9 +409,10 @@ def master_weights(
     are the master (``master_weights_dtype: bf16``); ``state_dtype``: elementwise optimizer
     state kept in that dtype between steps (``optimizer_states_dtype: bf16``); ``salt``: this
     shard's part of a 16-bit master's rounding seed (the same in every run of the model)."""
-    if offload == "nvme":  # fp32 parameters in a swap file there: one file for both
-        file = placement.master_file(swap) if fp32 else None
-        return SwappedMaster(swap, values, world, file, state_dtype)
+    if offload == "nvme":  # parameters of the master's dtype in a swap file: one file for both
+        kind = Bf16Master(ShardRounding(salt)) if compact else Fp32Master()
+        file = placement.master_file(swap, kind.dtype)
+        return SwappedMaster(swap, values, world, file, state_dtype, kind)
     if offload == "cpu":
         master = (
             HostCompactMaster(values, world, pin, salt)
@@ -414,6 +429,8 @@ def master_weights(
             if fp32
             else CompactMaster(view, world, complete, salt)
         )
+    elif compact:
+        master = DeviceCompactMaster(values, world, salt)
     else:
         master = DeviceMaster(values.clone(), world)
     master.state_dtype = state_dtype

@@ -46,9 +46,9 @@ class Placement:
     def write_shard(self, values: torch.Tensor) -> None:
         """Replace this rank's stored shard (stage 3; the others hold ``flat_param`` itself)."""
 
-    def master_file(self, space: SwapSpace) -> SwapFile | None:
-        """A swap file in ``space`` that already holds this rank's shard in fp32, for a master
-        in swap files to keep its values in (one file, not two), or None."""
+    def master_file(self, space: SwapSpace, dtype: torch.dtype) -> SwapFile | None:
+        """A swap file in ``space`` that already holds this rank's shard in ``dtype``, for a
+        master of that dtype in swap files to keep its values in (one file, not two), or None."""
         return None
 
     def staged_bytes(self) -> int:
@@ -121,8 +121,8 @@ class ShardedParams(Placement):
     def receive_tile(self, start: int, tile: torch.Tensor) -> None:
         self.tier.take_step_tile(tile.to(self.dtype), start)
 
-    def master_file(self, space: SwapSpace) -> SwapFile | None:
-        return self.tier.share_with_master(space)
+    def master_file(self, space: SwapSpace, dtype: torch.dtype) -> SwapFile | None:
+        return self.tier.share_with_master(space, dtype)
 
     def publish(self, updated: torch.Tensor | None, async_op: bool):
         if updated is None:

@@ -1,9 +1,11 @@
-"""``offload_optimizer: nvme``: a group's fp32 master shard, gradient and optimizer state on disk.
+"""``offload_optimizer: nvme``: a group's master shard, gradient and optimizer state on disk.
 
 ZeRO-Infinity keeps no optimizer-side tensor of a trainable group in memory between steps:
 `SwappedState` owns one swap file each for the master shard, its reduced fp32 gradient and every
 elementwise optimizer state tensor (``exp_avg``, ``exp_avg_sq``, ... as the optimizer creates
-them on its first step); scalar state (``step``) stays in memory. The optimizer step streams the
+them on its first step); scalar state (``step``) stays in memory. The master is fp32
+(`Fp32Master`), or bf16 (`Bf16Master`, ``master_weights_dtype: bf16``: each tile stepped in fp32
+and rounded back). The optimizer step streams the
 files tile by tile (`hf_zero.optim.streamed_step`), and checkpoints read and write them one group
 at a time.
 
@@ -17,9 +19,47 @@ from __future__ import annotations
 
 import torch
 
+from hf_zero.numerics.rounding import ShardRounding
 from hf_zero.observe import clock
 from hf_zero.sharding.grad_store import landed_average
 from hf_zero.storage.swap import SwapFile, SwapSpace
+
+
+class Fp32Master:
+    """An fp32 master in its file: the step updates each tile in its read buffer."""
+
+    dtype = torch.float32
+
+    def widened(self, tile: torch.Tensor) -> torch.Tensor:
+        """The fp32 tensor the optimizer steps for the master ``tile`` (the tile itself)."""
+        return tile
+
+    def begin_step(self) -> None:
+        """Once per step of the shard, before its first tile."""
+
+    def narrow(self, tile: torch.Tensor, work: torch.Tensor, state: dict, offset: int) -> None:
+        """Put the stepped ``work`` (elements ``offset ..`` of the shard) back into ``tile``
+        (nothing to do here: ``work`` is ``tile``)."""
+
+
+class Bf16Master:
+    """A bf16 master in its file (``master_weights_dtype: bf16``): each tile is widened to
+    fp32 for the step and rounded back by the shard's `ShardRounding`, which draws an element's
+    random bits by its position, so tiles round as the whole shard does on the device."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, rounding: ShardRounding) -> None:
+        self.rounding = rounding
+
+    def widened(self, tile: torch.Tensor) -> torch.Tensor:
+        return tile.float()
+
+    def begin_step(self) -> None:
+        self.rounding.begin_step()
+
+    def narrow(self, tile: torch.Tensor, work: torch.Tensor, state: dict, offset: int) -> None:
+        tile.copy_(self.rounding.round(work, state, offset))
 
 
 class SwappedState:
@@ -32,17 +72,21 @@ class SwappedState:
         world: int,
         file: SwapFile | None = None,
         state_dtype: torch.dtype | None = None,
+        kind: Fp32Master | Bf16Master | None = None,
     ) -> None:
-        """``file``: the parameter shard's swap file, which holds ``master`` already (fp32
-        parameters): the master's values live there, 16 bytes an element on disk, not 20.
+        """``file``: the parameter shard's swap file, which holds ``master`` already (parameters
+        in the master's dtype): the master's values live there, one file for both.
         ``state_dtype``: floating-point state tensors are kept in that dtype in their files
         (``optimizer_states_dtype: bf16``; the step widens each tile), else as the optimizer
-        makes them."""
+        makes them. ``kind``: how the master is kept (`Fp32Master` unless given)."""
         self.space = space
         self.state_dtype = state_dtype
+        self.master_kind = kind or Fp32Master()
+        """How the master is kept in its file, and stepped a tile at a time."""
         self.numel = master.numel()
-        self.files: dict[str, SwapFile] = {"master": file or space.file("master", self.numel * 4)}
-        self.dtypes: dict[str, torch.dtype] = {"master": torch.float32}
+        nbytes = self.numel * self.master_kind.dtype.itemsize
+        self.files: dict[str, SwapFile] = {"master": file or space.file("master", nbytes)}
+        self.dtypes: dict[str, torch.dtype] = {"master": self.master_kind.dtype}
         self.state_keys: list[str] = []
         """Elementwise optimizer state tensors kept in files (known after the first step)."""
         self.scalars: dict = {}
@@ -80,7 +124,7 @@ class SwappedState:
         return self.read("master")
 
     def write_master(self, values: torch.Tensor) -> None:
-        self.write("master", values.float())
+        self.write("master", values)  # into the file's dtype
 
     def read_state(self) -> dict:
         """The optimizer state as torch keeps it (tensors of the shard's size, scalars)."""

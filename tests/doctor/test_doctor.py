@@ -237,7 +237,11 @@ def test_16bit_storage_is_proposed_where_fp32_state_is_at_the_peak():
         "--zero_master_weights_dtype", "bf16", "--zero_optimizer_states_dtype", "bf16"
     ]  # fmt: skip
     assert sum(d.makeup.values()) - change.peak_bytes == (4 << 20) + (4 << 20), change
-    d.config = {**d.config, "precision": "fp32"}
+    # Parameters offloaded, the optimizer on the device: the master becomes a bf16 copy.
+    d.config = {**d.config, "offload_param": "cpu"}
+    change = next(c for c in recommend(d) if c.kind == "storage_16bit")
+    assert sum(d.makeup.values()) - change.peak_bytes == (2 << 20) + (4 << 20), change
+    d.config = {**d.config, "precision": "fp32", "offload_param": "none"}
     assert not any(c.kind == "storage_16bit" for c in recommend(d))
     # Offloaded: the host's fp32 masters and Adam moments, halved.
     d.config = {**d.config, "precision": "bf16", "offload_optimizer": "cpu"}

@@ -126,7 +126,7 @@ def test_whole_model_estimate_matches_measured_memory(case, world, options):
             assert r["shape"].tp_split_params > 0.9 * r["shape"].params
 
 
-def _measure_nvme(precision: str, offload_param: bool, folder: str) -> dict:
+def _measure_nvme(precision: str, offload_param: bool, folder: str, storage: dict) -> dict:
     model = build_model()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -139,6 +139,7 @@ def _measure_nvme(precision: str, offload_param: bool, folder: str) -> dict:
         offload_param="nvme" if offload_param else "none",
         nvme_path=folder,
         param_persistence_threshold=0,
+        **storage,
     )
     x = batch(dist.get_rank(), 0, 0)
     engine.backward(engine(input_ids=x, labels=x).loss)
@@ -149,16 +150,24 @@ def _measure_nvme(precision: str, offload_param: bool, folder: str) -> dict:
     return {"report": report, "padded": padded, "groups": len(engine.groups)}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+BF16_STORAGE = {"master_weights_dtype": "bf16", "optimizer_states_dtype": "bf16"}
+
+
+@pytest.mark.parametrize(
+    ("precision", "storage"), [("fp32", {}), ("bf16", {}), ("bf16", BF16_STORAGE)],
+    ids=["fp32", "bf16", "bf16-16bit-storage"],
+)  # fmt: skip
 @pytest.mark.parametrize("offload_param", [False, True], ids=["optimizer", "opt+param"])
-def test_infinity_estimate_matches_the_swap_files(tmp_path, precision, offload_param):
-    """``hf-zero estimate``'s NVMe rows (`infinity_bytes`) against the swap files a run made."""
+def test_infinity_estimate_matches_the_swap_files(tmp_path, precision, storage, offload_param):
+    """``hf-zero estimate``'s NVMe rows (`infinity_bytes`) against the swap files a run made
+    (with 16-bit storage: its ``+ bf16 master`` row)."""
     from hf_zero.memory import ModelShape, infinity_bytes
 
-    results = run_distributed(_measure_nvme, 2, args=(precision, offload_param, str(tmp_path)))
-    for r in results:
+    args = (precision, offload_param, str(tmp_path), storage)
+    for r in run_distributed(_measure_nvme, 2, args=args):
         shape = ModelShape(params=r["padded"])  # padding included
-        estimate = infinity_bytes(shape, 2, precision, offload_param)
+        in_16bit = {"optimizer_states_16bit": bool(storage), "master_weights_16bit": bool(storage)}
+        estimate = infinity_bytes(shape, 2, precision, offload_param, **in_16bit)
         slack = 4096 * r["groups"]  # each swap file is padded to whole 4 KiB blocks
         for kind in ("nvme_params", "nvme_master_weights", "nvme_grads", "nvme_optimizer_states"):
             measured = r["report"][kind]

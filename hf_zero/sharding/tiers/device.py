@@ -36,10 +36,10 @@ class Tier:
         tier skips its disk write when the step's master file is its file)."""
         self.write_(values, start, non_blocking=True)
 
-    def share_with_master(self, space) -> object | None:
-        """The swap file holding this shard in fp32 when a master in swap space ``space`` may
-        keep its values there too (then the step's tiles are written once, by the master), or
-        None: only `NvmeTier` has one."""
+    def share_with_master(self, space, dtype: torch.dtype) -> object | None:
+        """The swap file holding this shard when a master of ``dtype`` in swap space ``space``
+        may keep its values there too (the same numbers: then the step's tiles are written
+        once, by the master), or None: only `NvmeTier` has one."""
         return None
 
     def flush(self) -> None:

@@ -52,7 +52,7 @@ class NvmeTier(Tier):
             self.cached = self.swap.buffer(self.numel, self.dtype)
         self._copied = None  # CUDA: the event after the last copy out of the cache
         self.shared = False
-        """The group's fp32 master lives in this file too (`share_with_master`)."""
+        """The group's master lives in this file too (`share_with_master`)."""
         self.stats = {"reads": 0, "read_ahead_hits": 0, "cache_hits": 0}
         """Shard fetches for gathers, how many of the disk reads had been started ahead
         (`prefetch`), and how many came from the cache instead."""
@@ -106,9 +106,9 @@ class NvmeTier(Tier):
         if not non_blocking:
             self.flush()
 
-    def share_with_master(self, space: SwapSpace) -> SwapFile | None:
-        if space is not self.swap or self.dtype != torch.float32:
-            return None  # another disk, or 16-bit parameters: not the master's numbers
+    def share_with_master(self, space: SwapSpace, dtype: torch.dtype) -> SwapFile | None:
+        if space is not self.swap or self.dtype != dtype:
+            return None  # another disk, or bf16 parameters of an fp32 master: other numbers
         self.shared = True
         return self.file
 
