@@ -190,10 +190,12 @@ def _offloaded_states(
     swap: str | None = None,
     states: str = "bf16",
     offload_param: str = "none",
+    max_in_cpu: int = 0,
 ) -> dict:
     """``states`` optimizer state and ``masters`` on the device, then with ``offload_optimizer:
     cpu`` (or, given ``swap``, ``nvme`` with its swap files there, stepped in tiles of 2048
-    elements: several a group, in flight across groups); both runs with ``offload_param``."""
+    elements: several a group, in flight across groups; ``max_in_cpu``: that many elements of
+    the optimizer shard in host memory instead); both runs with ``offload_param``."""
     if swap is not None:
         import hf_zero.optim.streamed_step
 
@@ -201,6 +203,8 @@ def _offloaded_states(
     runs = {}
     for offload in ("none", "cpu" if swap is None else "nvme"):
         disk = {"nvme_path": f"{swap}/{offload}"} if "nvme" in (offload, offload_param) else {}
+        if offload == "nvme" and max_in_cpu:
+            disk["offload_optimizer_max_in_cpu"] = max_in_cpu
         losses, params, engine = train_zero(
             3, 2, 0.3, stage, precision="bf16", make_optimizer=make_optimizer,
             optimizer_states_dtype=states, master_weights_dtype=masters,
@@ -213,9 +217,10 @@ def _offloaded_states(
             for k, v in s.items()
             if k.startswith("exp_avg")
         }
-        for g in engine.groups if offload == "nvme" else ():  # the moments in swap files
-            swapped = g.master_weights.swapped.dtypes
-            moments |= {dtype for k, dtype in swapped.items() if k.startswith("exp_avg")}
+        for g in engine.groups:  # the moments in swap files
+            if g.master_weights.swapped is not None:
+                swapped = g.master_weights.swapped.dtypes
+                moments |= {dtype for k, dtype in swapped.items() if k.startswith("exp_avg")}
         runs[offload] = {
             "losses": losses, "params": params, "moments": moments,
             "report": engine.memory_report(),
@@ -227,7 +232,7 @@ def _offloaded_states(
             "on_disk": sum(f.path.stat().st_size for f in engine.swaps["offload_optimizer"].files)
             if offload == "nvme" else 0,
             "master_dtypes": {
-                g.master_weights.swapped.dtypes["master"] if offload == "nvme"
+                g.master_weights.swapped.dtypes["master"] if g.master_weights.swapped
                 else g.master_weights.param.dtype for g in engine.groups
             },
         }  # fmt: skip
@@ -350,6 +355,20 @@ def test_bf16_master_weights_in_swap_files_equal_them_on_the_device(
         assert report.get("nvme_params", 0) == estimate["nvme_params"] == 0, report
         moments = estimate["nvme_optimizer_states"]
         assert 0 <= report["nvme_optimizer_states"] - moments <= 2 * blocks, report
+
+
+def test_bf16_master_weights_split_between_host_memory_and_swap_files(tmp_path):
+    """``offload_optimizer_max_in_cpu`` with bf16 masters: the buckets that fit keep a bf16
+    master in host memory, the rest in swap files, each rounded by its own kind with the
+    device's bits: the run equals bf16 masters on the device bit for bit."""
+    args = (3, adamw, False, "bf16", str(tmp_path), "bf16", "none", 8000)
+    for r in run_distributed(_offloaded_states, 2, args=args):
+        device, split = r["none"], r["nvme"]
+        assert split["step"] == "SplitStep", split["step"]
+        assert split["masters"] == {"HostCompactMaster", "SwappedMaster"}, split["masters"]
+        assert split["master_dtypes"] == {torch.bfloat16}
+        assert split["losses"] == device["losses"]
+        assert all(torch.equal(split["params"][k], device["params"][k]) for k in device["params"])
 
 
 def _params_offloaded() -> dict:
