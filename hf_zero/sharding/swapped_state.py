@@ -5,9 +5,8 @@ ZeRO-Infinity keeps no optimizer-side tensor of a trainable group in memory betw
 elementwise optimizer state tensor (``exp_avg``, ``exp_avg_sq``, ... as the optimizer creates
 them on its first step); scalar state (``step``) stays in memory. The master is fp32
 (`Fp32Master`), or bf16 (`Bf16Master`, ``master_weights_dtype: bf16``: each tile stepped in fp32
-and rounded back). The optimizer step streams the
-files tile by tile (`hf_zero.optim.streamed_step`), and checkpoints read and write them one group
-at a time.
+and rounded back). The optimizer step streams the files tile by tile
+(`hf_zero.optim.streamed_step`), and checkpoints read and write them one group at a time.
 
 `SwappedGrads` is the gradient side (the `GradStore` interface the optimizer uses): each reduced
 shard is averaged, its sum of squares and finiteness noted for the global norm, and written out
