@@ -401,3 +401,25 @@ def test_bf16_master_weights_beside_offloaded_parameters_stay_bf16():
         assert resident["report"]["master_weights"] == 0, resident["report"]
         assert host["offloaded"] > 0.9 * sum(p.numel() for p in host["params"].values()) / 2
         assert host["report"]["master_weights"] == 2 * host["offloaded"], host["report"]
+
+
+def _misaligned_tile(swap: str, tile: int) -> str:
+    import hf_zero.optim.streamed_step
+
+    hf_zero.optim.streamed_step.DEFAULT_TILE = tile
+    _, engine = _engine(3, master_weights_dtype="bf16", offload_optimizer="nvme", nvme_path=swap)
+    try:
+        train_steps(engine, range(1))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_tile_that_cuts_a_bf16_swap_block_is_refused_by_name(tmp_path):
+    """The streamed step reads and writes whole 4 KiB blocks (O_DIRECT): 1024 elements are
+    whole fp32 blocks but half a bf16 one, so a bf16 master refuses that tile, naming it."""
+    for message in run_distributed(_misaligned_tile, 2, args=(str(tmp_path), 1024)):
+        assert message == (
+            "hf_zero: a streamed step's tile is 1024 elements; with torch.bfloat16 in swap "
+            "files it must be whole 4096-byte blocks of it"
+        ), message
